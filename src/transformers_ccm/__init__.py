@@ -1,0 +1,9 @@
+"""Compressed Context Memory (CCM) for Hugging Face transformers."""
+
+__version__ = "0.1.0"
+
+from transformers_ccm.config import CCMConfig
+from transformers_ccm.data import CCMDataCollator, OnlineSample
+from transformers_ccm.modeling import CCMForCausalLM
+
+__all__ = ["CCMConfig", "CCMDataCollator", "CCMForCausalLM", "OnlineSample", "__version__"]

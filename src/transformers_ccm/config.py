@@ -1,0 +1,136 @@
+"""`CCMConfig`: everything that defines a compression adapter, stored as `ccm_config.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+CONFIG_NAME = "ccm_config.json"
+FORMAT_VERSION = 1
+
+UpdateRule = Literal["concat", "merge", "ema"]
+UPDATE_RULES: tuple[str, ...] = ("concat", "merge", "ema")
+
+
+@dataclass
+class CCMConfig:
+    """Settings of a Compressed Context Memory adapter.
+
+    Args:
+        num_comp_tokens: length of the `<COMP>` block appended to every context (paper: 1 to 8).
+        update: how a new compression `h(t)` enters memory. `"concat"` appends it (memory grows by
+            `num_comp_tokens` per step), `"merge"` keeps the running mean, `"ema"` an exponential
+            moving average with `ema_alpha` (`a_1 = 1`).
+        ema_alpha: the EMA coefficient `a_t` for `t >= 2`, in (0, 1].
+        max_memory_tokens: cap on concat memory; the oldest slots are evicted first. `None` is unbounded.
+        conditional_lora: apply the LoRA only at `<COMP>` positions (the paper's method). `False` gives the
+            unconditional ablation.
+        r, lora_alpha, lora_dropout: LoRA rank, scaling numerator and dropout (paper: 8, 16, 0.05).
+        target_modules: names of the modules that get a LoRA. `None` picks every linear projection of each
+            attention layer (q, k, v, o, or the fused variants a model uses).
+        base_model_name_or_path, base_model_revision: the base model the adapter was made for.
+    """
+
+    num_comp_tokens: int = 2
+    update: UpdateRule = "concat"
+    ema_alpha: float = 0.5
+    max_memory_tokens: int | None = None
+    conditional_lora: bool = True
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    target_modules: list[str] | None = None
+    base_model_name_or_path: str | None = None
+    base_model_revision: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.num_comp_tokens, "num_comp_tokens", "a positive integer", _positive_int)
+        _check(self.update, "update", " | ".join(repr(u) for u in UPDATE_RULES), lambda v: v in UPDATE_RULES)
+        _check(self.ema_alpha, "ema_alpha", "a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1)
+        if self.max_memory_tokens is not None:
+            if self.update != "concat":
+                raise ValueError(
+                    f"CCMConfig.max_memory_tokens applies to update='concat' only (got update={self.update!r}); "
+                    "merge and ema memory already holds num_comp_tokens slots. Set max_memory_tokens=None."
+                )
+            _check(
+                self.max_memory_tokens,
+                "max_memory_tokens",
+                f"None or an integer >= num_comp_tokens ({self.num_comp_tokens})",
+                lambda v: _positive_int(v) and v >= self.num_comp_tokens,
+            )
+        _check(self.conditional_lora, "conditional_lora", "True or False", lambda v: isinstance(v, bool))
+        _check(self.r, "r", "a positive integer", _positive_int)
+        _check(self.lora_alpha, "lora_alpha", "a positive number", lambda v: _number(v) and v > 0)
+        _check(self.lora_dropout, "lora_dropout", "a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+        if self.target_modules is not None:
+            _check(
+                self.target_modules,
+                "target_modules",
+                "None or a non-empty list of module names",
+                lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
+            )
+            self.target_modules = list(self.target_modules)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready content of `ccm_config.json`, with the format version."""
+        from transformers_ccm import __version__
+
+        return {"format_version": FORMAT_VERSION, "ccm_version": __version__, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CCMConfig:
+        data = dict(data)
+        version = data.pop("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{CONFIG_NAME} has format_version {version!r}, but this transformers-ccm reads version "
+                f"{FORMAT_VERSION}. Upgrade transformers-ccm to load this adapter."
+            )
+        data.pop("ccm_version", None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{CONFIG_NAME} has unknown fields {unknown}; known fields: {sorted(known)}.")
+        return cls(**data)
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> str:
+        """Write `ccm_config.json` into `save_directory` and return its path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory_or_file: str | os.PathLike[str]) -> CCMConfig:
+        """Read `ccm_config.json` from a folder (or the file itself)."""
+        path = os.fspath(directory_or_file)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); the file is corrupt, save it again.") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+        return cls.from_dict(data)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(value: object, name: str, allowed: str, ok: Any) -> None:
+    if not ok(value):
+        raise ValueError(f"CCMConfig.{name} must be {allowed}, got {value!r}.")

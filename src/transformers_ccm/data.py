@@ -1,0 +1,107 @@
+"""Online samples and the collator that lays them out for the parallel training forward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from transformers_ccm.config import CCMConfig
+from transformers_ccm.masks import sample_layout
+
+if TYPE_CHECKING:
+    from transformers_ccm.modeling import CCMForCausalLM
+
+Tokens = Sequence[int] | torch.Tensor | str
+
+IGNORE_INDEX = -100
+
+
+class Tokenizer(Protocol):
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+
+@dataclass
+class OnlineSample:
+    """One online-inference example at time step `t = len(contexts)`.
+
+    `contexts[j]` is `c(j+1)` (for a dialogue: the previous turn), `input` is `I(t)` and `output` is `O(t)`;
+    each is a list of token ids, a 1-D tensor, or a string (then the collator needs a tokenizer).
+    `output=None` gives a sample to score or evaluate, with no loss.
+    """
+
+    contexts: Sequence[Tokens]
+    input: Tokens
+    output: Tokens | None = None
+
+
+class CCMDataCollator:
+    """Turns `OnlineSample`s into one right-padded batch `[c(1) <COMP> ... c(t) <COMP> I(t) O(t)]`.
+
+    The batch holds `input_ids`, `segment_ids`, `comp_mask`, `position_ids` (all `(batch, seq)`) and, when
+    any sample has an output, `labels` (-100 except at output tokens). Ids at `<COMP>` and padding positions
+    are `pad_token_id` and never read.
+    """
+
+    def __init__(
+        self,
+        model: CCMForCausalLM | CCMConfig,
+        tokenizer: Tokenizer | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.config = model if isinstance(model, CCMConfig) else model.config
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: Sequence[OnlineSample]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("CCMDataCollator got an empty list of samples.")
+        rows = [self._row(index, sample) for index, sample in enumerate(samples)]
+        length = max(len(row["input_ids"]) for row in rows)
+        batch = {
+            key: torch.tensor([row[key] + [fill] * (length - len(row[key])) for row in rows], dtype=dtype)
+            for key, fill, dtype in (
+                ("input_ids", self.pad_token_id, torch.long),
+                ("segment_ids", 0, torch.long),
+                ("comp_mask", False, torch.bool),
+                ("position_ids", 0, torch.long),
+                ("labels", IGNORE_INDEX, torch.long),
+            )
+        }
+        if all(sample.output is None for sample in samples):
+            del batch["labels"]
+        return batch
+
+    def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:
+        n = self.config.num_comp_tokens
+        contexts = [self._ids(context, f"samples[{index}].contexts[{j}]") for j, context in enumerate(sample.contexts)]
+        inputs = self._ids(sample.input, f"samples[{index}].input")
+        outputs = [] if sample.output is None else self._ids(sample.output, f"samples[{index}].output", empty_ok=True)
+        layout = sample_layout([len(c) for c in contexts], len(inputs) + len(outputs), n)
+        input_ids: list[int] = []
+        for context in contexts:
+            input_ids += context + [self.pad_token_id] * n
+        input_ids += inputs + outputs
+        labels = [IGNORE_INDEX] * (len(input_ids) - len(outputs)) + outputs
+        return {
+            "input_ids": input_ids,
+            "segment_ids": layout.segment_ids,
+            "comp_mask": layout.comp_mask,
+            "position_ids": layout.position_ids,
+            "labels": labels,
+        }
+
+    def _ids(self, tokens: Tokens, where: str, empty_ok: bool = False) -> list[int]:
+        if isinstance(tokens, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
+            ids = list(self.tokenizer(tokens, add_special_tokens=False)["input_ids"])
+        elif isinstance(tokens, torch.Tensor):
+            ids = tokens.reshape(-1).tolist()
+        else:
+            ids = [int(token) for token in tokens]
+        if not ids and not empty_ok:
+            raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
+        return ids

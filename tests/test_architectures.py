@@ -1,0 +1,53 @@
+"""Which models CCM wraps, and the errors for those it cannot."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BloomConfig, T5Config, T5ForConditionalGeneration
+
+from tiny_models import tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM
+
+
+def test_model_without_attention_interface_is_refused():
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
+    with pytest.raises(TypeError, match="AttentionInterface"):
+        CCMForCausalLM.from_base(bloom, CCMConfig())
+
+
+def test_encoder_decoder_is_refused():
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
+    with pytest.raises(TypeError, match="decoder-only"):
+        CCMForCausalLM.from_base(t5, CCMConfig())
+
+
+def test_peft_model_is_refused():
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(tiny_base("llama"), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(TypeError, match="PEFT"):
+        CCMForCausalLM.from_base(peft_model, CCMConfig())
+
+
+def test_loading_arguments_with_a_loaded_model_are_refused():
+    with pytest.raises(TypeError, match="loading arguments"):
+        CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(), torch_dtype=torch.float16)
+
+
+def test_from_base_loads_a_local_path(tmp_path):
+    tiny_base("qwen2").save_pretrained(tmp_path)
+    model = CCMForCausalLM.from_base(str(tmp_path), CCMConfig(num_comp_tokens=3))
+    assert model.config.base_model_name_or_path == str(tmp_path)
+    assert model.comp_embeddings.shape == (3, 32)
+    assert model.base_model.config._attn_implementation == "ccm_sdpa"
+
+
+def test_eager_models_keep_eager_attention():
+    model = CCMForCausalLM.from_base(tiny_base("gemma2"), CCMConfig())
+    assert model.base_model.config._attn_implementation == "ccm_eager"
+
+
+def test_user_config_is_not_modified():
+    config = CCMConfig()
+    model = CCMForCausalLM.from_base(tiny_base("llama"), config)
+    assert config.base_model_name_or_path is None
+    assert model.config is not config

@@ -1,0 +1,78 @@
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from transformers_ccm import CCMConfig
+from transformers_ccm.config import CONFIG_NAME
+
+
+def test_paper_defaults():
+    config = CCMConfig()
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16.0, 0.05)
+    assert config.update == "concat" and config.conditional_lora and config.max_memory_tokens is None
+
+
+@given(
+    n=st.integers(1, 16),
+    update=st.sampled_from(["concat", "merge", "ema"]),
+    alpha=st.floats(0.01, 1.0),
+    conditional=st.booleans(),
+)
+def test_json_round_trip(tmp_path_factory, n, update, alpha, conditional):
+    config = CCMConfig(
+        num_comp_tokens=n,
+        update=update,
+        ema_alpha=alpha,
+        max_memory_tokens=4 * n if update == "concat" else None,
+        conditional_lora=conditional,
+        target_modules=["q_proj", "v_proj"],
+        base_model_name_or_path="org/model",
+    )
+    folder = tmp_path_factory.mktemp("config")
+    path = config.save_pretrained(folder)
+    assert path.endswith(CONFIG_NAME)
+    assert CCMConfig.from_pretrained(folder) == config
+    assert json.loads(Path(path).read_text())["format_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "allowed"),
+    [
+        ({"num_comp_tokens": 0}, "num_comp_tokens", "positive integer"),
+        ({"update": "sum"}, "update", "'concat' | 'merge' | 'ema'"),
+        ({"ema_alpha": 0.0}, "ema_alpha", "(0, 1]"),
+        ({"max_memory_tokens": 1, "num_comp_tokens": 2}, "max_memory_tokens", ">= num_comp_tokens"),
+        ({"max_memory_tokens": 8, "update": "merge"}, "max_memory_tokens", "update='concat' only"),
+        ({"r": -1}, "r", "positive integer"),
+        ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
+        ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
+        ({"target_modules": []}, "target_modules", "non-empty list"),
+    ],
+)
+def test_invalid_values_name_field_and_allowed_values(kwargs, field, allowed):
+    with pytest.raises(ValueError, match=field) as error:
+        CCMConfig(**kwargs)
+    assert allowed in str(error.value)
+
+
+def test_unknown_format_version(tmp_path):
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**CCMConfig().to_dict(), "format_version": 99}))
+    with pytest.raises(ValueError, match=r"format_version 99.*Upgrade"):
+        CCMConfig.from_pretrained(tmp_path)
+
+
+def test_unknown_field(tmp_path):
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_comp_tokens": 2, "comp_len": 3}))
+    with pytest.raises(ValueError, match="comp_len"):
+        CCMConfig.from_pretrained(tmp_path)
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no CCM adapter"):
+        CCMConfig.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        CCMConfig.from_pretrained(tmp_path)

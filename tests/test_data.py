@@ -1,0 +1,76 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from transformers_ccm import CCMConfig, CCMDataCollator, OnlineSample
+from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.masks import sample_layout
+
+CONFIG = CCMConfig(num_comp_tokens=2)
+
+
+def test_batch_layout_and_labels():
+    batch = CCMDataCollator(CONFIG, pad_token_id=9)([OnlineSample([[5, 6], [7]], [8], [30, 31])])
+    assert batch["input_ids"].tolist() == [[5, 6, 9, 9, 7, 9, 9, 8, 30, 31]]
+    assert batch["comp_mask"].tolist() == [[0, 0, 1, 1, 0, 1, 1, 0, 0, 0]]
+    assert batch["segment_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 3, 3, 3]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4, 3, 4, 5]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX] * 8 + [30, 31]]
+
+
+def test_samples_without_output_have_no_labels():
+    batch = CCMDataCollator(CONFIG)([OnlineSample([[5]], [8]), OnlineSample([], [1, 2])])
+    assert "labels" not in batch
+
+
+def test_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match=r"samples\[0\].input is a string; give CCMDataCollator a tokenizer"):
+        CCMDataCollator(CONFIG)([OnlineSample([[5]], "hello")])
+
+
+def test_strings_are_tokenized():
+    def tokenizer(text, add_special_tokens=True):
+        assert not add_special_tokens
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    batch = CCMDataCollator(CONFIG, tokenizer=tokenizer)([OnlineSample(["ab"], "c", "d")])
+    assert batch["input_ids"].tolist() == [[97, 98, 0, 0, 99, 100]]
+
+
+@pytest.mark.parametrize(
+    ("sample", "where"),
+    [
+        (OnlineSample([[5], []], [8]), r"samples\[0\].contexts\[1\] is empty"),
+        (OnlineSample([[5]], []), r"samples\[0\].input is empty"),
+    ],
+)
+def test_empty_context_or_input(sample, where):
+    with pytest.raises(ValueError, match=where):
+        CCMDataCollator(CONFIG)([sample])
+
+
+def test_empty_batch():
+    with pytest.raises(ValueError, match="empty list"):
+        CCMDataCollator(CONFIG)([])
+
+
+@given(
+    samples=st.lists(
+        st.tuples(st.lists(st.integers(1, 5), max_size=5), st.integers(1, 5), st.integers(0, 5)), min_size=1, max_size=4
+    ),
+    n=st.integers(1, 3),
+)
+def test_padding_never_changes_a_row(samples, n):
+    config = CCMConfig(num_comp_tokens=n)
+    online = [OnlineSample([[7] * k for k in ctx], [8] * i, [9] * o) for ctx, i, o in samples]
+    batch = CCMDataCollator(config)(online)
+    for row, (ctx, i, o) in enumerate(samples):
+        layout = sample_layout(ctx, i + o, n)
+        length = len(layout.segment_ids)
+        assert batch["segment_ids"][row, :length].tolist() == layout.segment_ids
+        assert batch["position_ids"][row, :length].tolist() == layout.position_ids
+        assert (batch["segment_ids"][row, length:] == 0).all()
+        if "labels" in batch:
+            assert (batch["labels"][row] != IGNORE_INDEX).sum() == o
+    assert batch["input_ids"].dtype == torch.long

@@ -1,0 +1,82 @@
+"""The conditional LoRA: zero effect away from <COMP>, and only the adapter trains."""
+
+import pytest
+import torch
+
+from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.lora import lora_layers
+
+IDS = torch.tensor([[5, 17, 33, 8, 61, 4]])
+
+
+def _hidden_states(model, **inputs):
+    with torch.no_grad():
+        return model(**inputs, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_lora_changes_nothing_without_comp(architecture):
+    base = tiny_base(architecture)
+    expected = _hidden_states(base, input_ids=IDS)
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig()))
+    batch = CCMDataCollator(model)([OnlineSample([], IDS[0])])
+    got = _hidden_states(model, **batch)
+    for layer, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"hidden states of layer {layer} differ"
+
+
+def test_unconditional_lora_changes_ordinary_tokens():
+    base_logits = tiny_base("llama")(input_ids=IDS).logits
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(conditional_lora=False)))
+    with torch.no_grad():
+        logits = model(**CCMDataCollator(model)([OnlineSample([], IDS[0])])).logits
+    assert (logits - base_logits).abs().max() > 1e-3
+
+
+def test_conditional_lora_changes_comp_positions():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6]], [7])])
+    with torch.no_grad():
+        gated = model(**batch).logits
+        for layer in lora_layers(model.base_model):
+            layer.enable_adapters(False)
+        plain = model(**batch).logits
+    assert (gated[0, -1] - plain[0, -1]).abs().max() > 1e-3  # through the memory
+
+
+@pytest.mark.parametrize("architecture", ["llama", "phi3", "gpt-neox"])
+def test_gradients_reach_only_lora_and_comp(architecture):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig()))
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])])
+    model(**batch).loss.backward()
+    last_layer = f".{model.base_model.config.num_hidden_layers - 1}."
+    for name, parameter in model.named_parameters():
+        is_adapter = "lora_A" in name or "lora_B" in name or name == "comp_embeddings"
+        assert parameter.requires_grad == is_adapter, name
+        if not is_adapter:
+            assert parameter.grad is None, name
+            continue
+        assert parameter.grad is not None, f"{name} is not in the graph"
+        # The last layer's <COMP> outputs feed nothing, so only its key/value projections get a gradient there.
+        if last_layer not in name:
+            assert parameter.grad.abs().sum() > 0, f"no gradient reaches {name}"
+    value_lora = [p for n, p in model.named_parameters() if last_layer in n and "lora_B" in n]
+    assert any(p.grad.abs().sum() > 0 for p in value_lora), "the last layer's keys/values get no gradient"
+
+
+@pytest.mark.parametrize(
+    ("architecture", "projections"),
+    [
+        ("llama", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("phi3", {"qkv_proj", "o_proj"}),
+        ("gpt-neox", {"query_key_value", "dense"}),
+        ("gpt2", {"c_attn", "c_proj"}),
+    ],
+)
+def test_default_targets_are_the_attention_projections(architecture, projections):
+    model = CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig())
+    wrapped = {name for name, module in model.base_model.named_modules() if module in lora_layers(model.base_model)}
+    assert {name.rsplit(".", 1)[-1] for name in wrapped} == projections
+    assert all(".mlp." not in name for name in wrapped)
+    assert len(wrapped) == len(projections) * model.base_model.config.num_hidden_layers

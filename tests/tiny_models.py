@@ -1,0 +1,95 @@
+"""Tiny random configurations of real architectures, and adapters with random (non-zero) weights."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    OlmoConfig,
+    Phi3Config,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm.lora import lora_layers
+
+VOCAB = 97
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _configs() -> dict[str, PretrainedConfig]:
+    return {
+        "llama": LlamaConfig(**_COMMON),
+        "llama-eager": LlamaConfig(**_COMMON, attn_implementation="eager"),
+        "mistral": MistralConfig(**_COMMON, sliding_window=None),
+        "qwen2": Qwen2Config(**_COMMON),
+        "qwen3": Qwen3Config(**_COMMON, head_dim=8),
+        "gemma2": Gemma2Config(**_COMMON, head_dim=8, attn_implementation="eager"),
+        "gemma3": Gemma3TextConfig(**_COMMON, head_dim=8),
+        "phi3": Phi3Config(**_COMMON),
+        "gpt-neox": GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            rotary_pct=0.5,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "olmo": OlmoConfig(**_COMMON),
+        "gpt2": GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2
+        ),
+    }
+
+
+ARCHITECTURES = tuple(_configs())
+
+
+def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = _configs()[architecture]
+    implementation = config._attn_implementation if architecture in ("llama-eager", "gemma2") else "sdpa"
+    return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+
+
+def randomize_adapter(model: CCMForCausalLM, seed: int = 1) -> CCMForCausalLM:
+    """Give every LoRA matrix and the <COMP> embeddings random, clearly non-zero values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model.base_model):
+            for module in (*layer.lora_A.values(), *layer.lora_B.values()):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.3)
+        model.comp_embeddings.copy_(torch.randn(model.comp_embeddings.shape, generator=generator))
+    return model.eval()
+
+
+@functools.cache
+def tiny_ccm(architecture: str, **config: object) -> CCMForCausalLM:
+    """A cached tiny CCM model with a random adapter (tests must not modify it)."""
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig(**config)))
