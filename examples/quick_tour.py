@@ -1,6 +1,6 @@
 """Quick tour: wrap a model, build a batch of online samples, train a few steps, watch the loss fall.
 
-Runs on CPU in about a minute. The task needs the contexts: each context is a (key, label) pair and the
+Runs on CPU in about ten seconds. The task needs the contexts: each context is a (key, label) pair and the
 answer is the label of the last context, so only a model that reads its compressed memory can learn it.
 
     python examples/quick_tour.py
@@ -23,10 +23,10 @@ def recall_sample(rng: random.Random) -> OnlineSample:
     return OnlineSample(contexts=contexts, input=[QUERY], output=[contexts[-1][1]])
 
 
-def main() -> None:
+def build_model(update: str = "concat") -> CCMForCausalLM:
+    """A tiny random Llama wrapped for CCM. Any decoder-only AutoModelForCausalLM works the same way (an
+    instance, a local path or a Hub id); a tiny one keeps the tour fast."""
     torch.manual_seed(0)
-    # Any decoder-only AutoModelForCausalLM works (an instance, a local path or a Hub id); a tiny random
-    # Llama keeps the tour fast.
     base = AutoModelForCausalLM.from_config(
         LlamaConfig(
             vocab_size=97,
@@ -39,7 +39,25 @@ def main() -> None:
             tie_word_embeddings=True,
         )
     )
-    model = CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=2, update="concat", lora_dropout=0.0))
+    return CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=2, update=update, lora_dropout=0.0))
+
+
+def train(model: CCMForCausalLM, steps: int = 200, log_every: int = 25) -> None:
+    collate = CCMDataCollator(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rng = random.Random(1)
+    for step in range(1, steps + 1):
+        loss = model(**collate([recall_sample(rng) for _ in range(32)])).loss  # one parallel forward
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if log_every and (step == 1 or step % log_every == 0):
+            print(f"step {step:3d}  loss {loss.item():.3f}")
+    model.eval()
+
+
+def main() -> None:
+    model = build_model()
     model.print_trainable_parameters()
 
     collate = CCMDataCollator(model)
@@ -48,17 +66,8 @@ def main() -> None:
     for key in ("input_ids", "comp_mask", "segment_ids", "position_ids", "labels"):
         print(f"  {key:>12}: {example[key][0].int().tolist()}")
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    rng = random.Random(1)
-    for step in range(1, 201):
-        loss = model(**collate([recall_sample(rng) for _ in range(32)])).loss  # one parallel forward
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 1 or step % 25 == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}")
+    train(model)
 
-    model.eval()
     held_out = [recall_sample(random.Random(10_000 + i)) for i in range(128)]
     without = [OnlineSample([], s.input, s.output) for s in held_out]
     with torch.no_grad():

@@ -65,7 +65,8 @@ def reference_memory(model: CCMForCausalLM, contexts: Sequence[Sequence[int]]) -
         if not config.conditional_lora:
             cache = _cache_of(model, memory)  # the unconditional LoRA changes the context's keys too
             _run(model, cache, position, ids=context)
-        _run(model, cache, position + len(context), embeds=model.comp_embeddings[None])
+        with model.lora_at(torch.ones(1, n, dtype=torch.bool)):  # all <COMP>: the plain PEFT LoRA
+            _run(model, cache, position + len(context), embeds=model.comp_embeddings[None])
         new = [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
         memory = _update(memory, new, step, model)
         position += len(context)

@@ -1,7 +1,17 @@
+"""The examples run and show what they claim."""
+
 import runpy
+import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.fixture(autouse=True)
+def examples_importable(monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(EXAMPLES), *sys.path])
 
 
 def test_quick_tour_runs_and_learns(capsys):
@@ -9,3 +19,11 @@ def test_quick_tour_runs_and_learns(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     with_memory, without = (float(word.rstrip(",")) for word in last.split() if word[0].isdigit())
     assert with_memory < 0.3 * without, last
+
+
+def test_online_inference_answers_from_memory(capsys):
+    runpy.run_path(str(EXAMPLES / "online_inference.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    answers = [line for line in lines if line.startswith("user ")]
+    assert answers == ["user 0: last label 47, model answers 47", "user 1: last label 44, model answers 44"]
+    assert lines[-1].endswith("memory equal: True")

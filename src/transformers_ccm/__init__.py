@@ -2,8 +2,16 @@
 
 __version__ = "0.1.0"
 
+from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, OnlineSample
 from transformers_ccm.modeling import CCMForCausalLM
 
-__all__ = ["CCMConfig", "CCMDataCollator", "CCMForCausalLM", "OnlineSample", "__version__"]
+__all__ = [
+    "CCMConfig",
+    "CCMDataCollator",
+    "CCMForCausalLM",
+    "CompressedMemoryCache",
+    "OnlineSample",
+    "__version__",
+]

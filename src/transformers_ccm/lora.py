@@ -71,7 +71,7 @@ def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
 class LoRAGate:
     """Restricts the LoRA to the tokens of a mask while the `active` context is open.
 
-    Outside the context the LoRA layers act as PEFT made them (on every token).
+    Outside the context the LoRA acts on no token, so the model is exactly its base model.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -83,9 +83,9 @@ class LoRAGate:
             raise TypeError(f"{type(model).__name__} has no LoRA layers to gate.")
 
     def _gate_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if self._mask is None:
-            return None
         (hidden,) = args
+        if self._mask is None:
+            return (torch.zeros_like(hidden),)
         return (hidden * self._mask[..., None].to(hidden.dtype),)
 
     @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from transformers_ccm.attention import (
     register_ccm_attention,
     wrapped_implementation,
 )
+from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.lora import LoRAGate, attention_modules, inject_lora, lora_layers
 from transformers_ccm.masks import block_attention, comp_ranks
@@ -60,6 +62,7 @@ class CCMForCausalLM(nn.Module):
         self.comp_embeddings = nn.Parameter(_initial_comp_embeddings(base_model, config.num_comp_tokens))
         self._gate = LoRAGate(base_model) if config.conditional_lora else None
         _use_ccm_attention(base_model)
+        base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
 
     @classmethod
     def from_base(
@@ -107,20 +110,38 @@ class CCMForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        segment_ids: torch.Tensor,
-        comp_mask: torch.Tensor,
-        position_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        comp_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        past_key_values: CompressedMemoryCache | None = None,
+        attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """The parallel training forward of a batch from `CCMDataCollator`, in one pass of the base model.
+        """Either the parallel training forward of a `CCMDataCollator` batch, in one pass of the base model,
+        or (with `past_key_values`, a `CompressedMemoryCache`) an online forward of new tokens of the turn.
 
         Args:
             input_ids, segment_ids, position_ids: `(batch, seq)` long; see `transformers_ccm.masks`.
             comp_mask: `(batch, seq)` bool, True at `<COMP>` tokens.
             labels: `(batch, seq)` long, -100 except at output tokens; the loss is next-token NLL on those.
+            past_key_values: online only: the memory to attend to; the new tokens join its current turn.
+            attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
         """
+        if past_key_values is not None:
+            return self.base_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                labels=labels,
+                **kwargs,
+            )
+        if segment_ids is None or comp_mask is None or position_ids is None or input_ids is None:
+            raise ValueError(
+                "The training forward needs input_ids, segment_ids, comp_mask and position_ids (a CCMDataCollator "
+                "batch); for online inference pass past_key_values=model.new_cache(...)."
+            )
         plan = block_attention(segment_ids, comp_mask, self.config)
         with self.lora_at(comp_mask):
             return self.base_model(
@@ -132,6 +153,172 @@ class CCMForCausalLM(nn.Module):
                 ccm_memory_mix=plan.memory_mix,
                 **kwargs,
             )
+
+    # ----- online inference --------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int = 1) -> CompressedMemoryCache:
+        """An empty memory for `batch_size` users."""
+        return CompressedMemoryCache(
+            self.config, self.memory_signature(), self.base_model.config.num_hidden_layers, batch_size
+        )
+
+    @torch.no_grad()
+    def compress(
+        self,
+        cache: CompressedMemoryCache,
+        context_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Compress a context into `cache`: `Mem(t) = update(Mem(t-1), h(t))`.
+
+        The context `c(t)` is the cache's current turn (what `generate()` produced, never re-encoded) followed by
+        `context_ids`. Only those of its tokens without keys/values yet run, then the `<COMP>` block; the turn is
+        then replaced by the `<COMP>` keys/values according to the update rule.
+
+        Args:
+            context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
+            attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
+        """
+        cache.check_model(self)
+        ids, mask = cache.pending_ids, cache.pending_mask
+        if context_ids is not None:
+            context_ids = torch.as_tensor(context_ids, device=ids.device)
+            context_ids = context_ids[None] if context_ids.ndim == 1 else context_ids
+            cache.check_batch_size(context_ids.shape[0], "context_ids")
+            if context_ids.shape[1] == 0:
+                raise ValueError("context_ids is empty: pass at least one token, or None to fold the current turn.")
+            context_mask = torch.ones_like(context_ids, dtype=torch.bool)
+            if attention_mask is not None:
+                if attention_mask.shape != context_ids.shape:
+                    raise ValueError(
+                        f"attention_mask has shape {tuple(attention_mask.shape)} but context_ids "
+                        f"{tuple(context_ids.shape)}; give one mask entry per context token."
+                    )
+                context_mask = attention_mask.to(ids.device).bool()
+            ids, mask = torch.cat([ids, context_ids], dim=1), torch.cat([mask, context_mask], dim=1)
+        rows = cache.turn_mask.any(dim=1) | mask.any(dim=1)
+        if not rows.any():
+            raise ValueError(
+                "Nothing to compress: the context is empty and the cache holds no turn to fold. Pass context_ids "
+                "with at least one token."
+            )
+        cache.clear_pending()
+        n, batch = self.config.num_comp_tokens, cache.batch_size
+        device = self.device
+        ordinary = self.base_model.get_input_embeddings()(ids.to(device))
+        comp = self.comp_embeddings[None].expand(batch, n, -1).to(ordinary.dtype)
+        is_comp = torch.cat([torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool)], dim=1).to(device)
+        with self.lora_at(is_comp):
+            self.base_model(
+                inputs_embeds=torch.cat([ordinary, comp], dim=1),
+                attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool)], dim=1).to(device),
+                past_key_values=cache,
+                logits_to_keep=1,
+            )
+        cache.fold(n, rows)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: CompressedMemoryCache | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' `generate()` on `I(t)`, attending to the memory in `past_key_values`.
+
+        Every generation mode and argument of transformers works (greedy, sampling, beam search, streamers,
+        stopping criteria). The turn stays in the cache for `compress(cache)` to fold; with several returned
+        sequences per row the caller picks one and compresses it with `compress(cache, ids)`.
+        """
+        cache = past_key_values if past_key_values is not None else self.new_cache(input_ids.shape[0])
+        if not isinstance(cache, CompressedMemoryCache):
+            raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
+        cache.check_model(self)
+        cache.check_batch_size(input_ids.shape[0], "input_ids")
+        if cache.has_unfolded_turn:
+            raise ValueError(
+                "The cache holds a turn that was not folded; call model.compress(cache) before the next generate()."
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        generation_config = kwargs.get("generation_config") or self.base_model.generation_config
+        num_beams = kwargs.get("num_beams") or generation_config.num_beams or 1
+        num_sequences = kwargs.get("num_return_sequences") or generation_config.num_return_sequences or 1
+        expand = max(num_beams, num_sequences)
+        run_cache = cache
+        if expand > 1:  # generate() expands the inputs, not a given cache
+            run_cache = cache.copy()
+            run_cache.batch_repeat_interleave(expand)
+        output = self.base_model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=run_cache, **kwargs
+        )
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        if num_sequences > 1:
+            return output
+        generated = sequences[:, input_ids.shape[1] :]
+        if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
+            turn = torch.cat([input_ids, generated[:, :-1]], dim=1)
+            self.base_model(
+                input_ids=turn,
+                attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
+                past_key_values=cache,
+                logits_to_keep=1,
+            )
+        eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
+        cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        return output
+
+    def _online_inputs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook of the base model: with a `CompressedMemoryCache`, the cache decides the mask and the
+        logical positions."""
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, CompressedMemoryCache):
+            return None
+        if args:
+            kwargs["input_ids"], args = args[0], args[1:]
+        cache.check_model(self)
+        tokens = kwargs.get("input_ids")
+        tokens = tokens if tokens is not None else kwargs["inputs_embeds"]
+        new = tokens.shape[1]
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            new_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+        elif mask.ndim == 2 and mask.shape[1] in (new, cache.turn_length + new):
+            new_mask = mask[:, mask.shape[1] - new :].bool()
+        else:
+            raise ValueError(
+                f"With a CompressedMemoryCache, attention_mask must be 2D and cover the {new} new tokens (or the "
+                f"{cache.turn_length} tokens of the turn and the new ones), got shape {tuple(mask.shape)}."
+            )
+        position_ids, attention = cache.prepare_forward(new_mask)
+        kwargs.update(attention_mask=attention, position_ids=position_ids, use_cache=True)
+        return args, kwargs
+
+    def memory_signature(self, include_adapter: bool = True) -> dict[str, Any]:
+        """What a compressed memory depends on: base model, shapes, update rule and (hashed) adapter weights."""
+        base = self.base_model.config
+        signature = {
+            "base_model": self.config.base_model_name_or_path,
+            "model_type": base.model_type,
+            "num_hidden_layers": base.num_hidden_layers,
+            "hidden_size": base.hidden_size,
+            "num_key_value_heads": getattr(base, "num_key_value_heads", None) or base.num_attention_heads,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "update": self.config.update,
+            "num_comp_tokens": self.config.num_comp_tokens,
+            "max_memory_tokens": self.config.max_memory_tokens,
+            "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
+        }
+        if include_adapter:
+            digest = hashlib.sha256()
+            for name, parameter in sorted(self.named_parameters()):
+                if parameter.requires_grad:
+                    digest.update(name.encode())
+                    digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            signature["adapter_sha256"] = digest.hexdigest()
+        return signature
 
     def num_parameters(self, only_trainable: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)

@@ -1,0 +1,294 @@
+"""Online inference through CompressedMemoryCache: equal to the parallel forward, generate(), folding, batching."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.generation.streamers import BaseStreamer
+
+from tiny_models import ARCHITECTURES, VOCAB, tiny_base, tiny_ccm
+from transformers_ccm import CCMDataCollator, OnlineSample
+
+TOLERANCE = 1e-4
+tokens = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=5)
+
+
+def pad(rows, side, value=0):
+    """Pad lists of ids to a (batch, len) tensor and its mask."""
+    length = max(len(row) for row in rows)
+    ids, mask = [], []
+    for row in rows:
+        fill = [value] * (length - len(row))
+        ids.append(fill + row if side == "left" else row + fill)
+        ones, zeros = [1] * len(row), [0] * (length - len(row))
+        mask.append(zeros + ones if side == "left" else ones + zeros)
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def online_logits(model, samples, side="left"):
+    """Compress every sample's contexts into one batched cache (rows without a j-th context skip step j),
+    then run I(t) O(t). Returns per-row logits of the real I/O tokens."""
+    cache = model.new_cache(len(samples))
+    for step in range(max(len(s.contexts) for s in samples)):
+        contexts = [list(s.contexts[step]) if step < len(s.contexts) else [] for s in samples]
+        ids, mask = pad(contexts, side)
+        model.compress(cache, ids, attention_mask=mask)
+    ios = [[*s.input, *s.output] for s in samples]
+    ids, mask = pad(ios, side)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    return [logits[row][mask[row].bool()] for row in range(len(samples))]
+
+
+def parallel_logits(model, samples):
+    batch = CCMDataCollator(model)(samples)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    rows = []
+    for row, sample in enumerate(samples):
+        end = int((batch["segment_ids"][row] > 0).sum())
+        rows.append(logits[row, end - len(sample.input) - len(sample.output) : end])
+    return rows
+
+
+samples_strategy = st.lists(
+    st.builds(
+        OnlineSample,
+        contexts=st.lists(tokens, min_size=1, max_size=8),
+        input=tokens,
+        output=st.lists(st.integers(3, VOCAB - 1), max_size=3),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(samples=samples_strategy, side=st.sampled_from(["left", "right"]))
+def test_online_equals_parallel(architecture, update, samples, side):
+    model = tiny_ccm(architecture, update=update, num_comp_tokens=2, ema_alpha=0.3)
+    for row, (online, parallel) in enumerate(
+        zip(online_logits(model, samples, side), parallel_logits(model, samples), strict=True)
+    ):
+        difference = (online - parallel).abs().max().item()
+        assert difference <= TOLERANCE, f"row {row}: max |online - parallel| = {difference:.2e}"
+
+
+@settings(max_examples=10, deadline=None)
+@given(samples=samples_strategy, cap=st.integers(2, 7))
+def test_capped_concat_online_equals_parallel(samples, cap):
+    model = tiny_ccm("qwen2", num_comp_tokens=2, max_memory_tokens=cap)
+    for online, parallel in zip(online_logits(model, samples), parallel_logits(model, samples), strict=True):
+        assert (online - parallel).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", "gpt-neox", "gpt2"])
+def test_greedy_generate_equals_teacher_forced_parallel(architecture, update):
+    model = tiny_ccm(architecture, update=update)
+    contexts, prompt = [[5, 6, 7], [8, 9], [40, 41, 42]], [20, 21]
+    cache = model.new_cache()
+    for context in contexts:
+        model.compress(cache, torch.tensor([context]))
+    generated = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False)
+    expected = list(prompt)
+    for _ in range(8):
+        logits = parallel_logits(model, [OnlineSample(contexts, prompt, expected[len(prompt) :])])[0]
+        expected.append(int(logits[-1].argmax()))
+    assert generated[0].tolist() == expected
+
+
+class TokenCounter:
+    """Counts the token positions the model's first decoder layer processes."""
+
+    def __init__(self, model):
+        layer = next(
+            m for name, m in model.base_model.named_modules() if name.endswith("layers.0") or name.endswith("h.0")
+        )
+        self.count = 0
+        self.handle = layer.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.count += args[0].shape[1]
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+def test_folding_a_turn_equals_compressing_it_and_runs_only_comp(update):
+    model = tiny_ccm("llama", update=update, ema_alpha=0.3)
+    n = model.config.num_comp_tokens
+    folded, recompressed = model.new_cache(), model.new_cache()
+    for cache in (folded, recompressed):
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+    prompt = torch.tensor([[20, 21, 22]])
+    sequence = model.generate(prompt, past_key_values=folded, max_new_tokens=6, do_sample=False)
+    assert folded.turn_length == 3 + 5  # the last generated token has no keys/values yet
+
+    counter = TokenCounter(model)
+    model.compress(folded)
+    counter.handle.remove()
+    assert counter.count == n + 1  # <COMP> and the pending last token, never the turn
+
+    model.compress(recompressed, sequence)
+    assert folded.memory_length == recompressed.memory_length
+    assert torch.equal(folded.next_position, recompressed.next_position)
+    for a, b in zip(folded.layers, recompressed.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
+
+
+def test_folding_with_feedback_appends_it_to_the_turn():
+    model = tiny_ccm("llama")
+    folded, recompressed = model.new_cache(), model.new_cache()
+    sequence = model.generate(torch.tensor([[20, 21]]), past_key_values=folded, max_new_tokens=4, do_sample=False)
+    model.compress(folded, torch.tensor([[70, 71]]))  # c(t) = input + output + feedback
+    model.compress(recompressed, torch.cat([sequence, torch.tensor([[70, 71]])], dim=1))
+    for a, b in zip(folded.layers, recompressed.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+
+
+def test_rows_stop_at_their_own_eos():
+    model = tiny_ccm("llama")
+    prompt = torch.tensor([[20, 21], [30, 31]])
+    free = model.generate(prompt, past_key_values=model.new_cache(2), max_new_tokens=6, do_sample=False)
+    eos = int(free[0, 4])  # row 0 produces it at its third step; make it the EOS
+    assert eos not in free[1, 2:].tolist()
+    cache = model.new_cache(2)
+    sequences = model.generate(
+        prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    assert sequences[0, 5:].tolist() == [0] * 3
+    model.compress(cache)
+    alone = model.new_cache(1)
+    model.compress(alone, sequences[:1, :5])  # the row's real turn: prompt and output up to its EOS
+    assert int(cache.next_position[0]) == int(alone.next_position[0]) == 5
+    for a, b in zip(cache.layers, alone.layers, strict=True):
+        torch.testing.assert_close(a.keys[:1], b.keys, atol=1e-5, rtol=0)
+
+
+def _history(model, contexts, batch_size=1, masks=None):
+    cache = model.new_cache(batch_size)
+    for index, context in enumerate(contexts):
+        model.compress(
+            cache, torch.tensor(context), attention_mask=None if masks is None else torch.tensor(masks[index])
+        )
+    return cache
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+def test_batched_users_equal_users_alone(update):
+    model = tiny_ccm("qwen3", update=update)
+    # user 0: two contexts; user 1: one context, at another step, left-padded
+    cache = _history(
+        model, [[[0, 5, 6, 7], [10, 11, 12, 13]], [[8, 9], [0, 0]]], 2, [[[0, 1, 1, 1], [1] * 4], [[1, 1], [0, 0]]]
+    )
+    prompt, mask = torch.tensor([[20, 21, 22], [0, 0, 23]]), torch.tensor([[1, 1, 1], [0, 0, 1]])
+    batched = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    alone0 = model.generate(
+        prompt[:1], past_key_values=_history(model, [[[5, 6, 7]], [[8, 9]]]), max_new_tokens=6, do_sample=False
+    )
+    alone1 = model.generate(
+        prompt[1:, 2:], past_key_values=_history(model, [[[10, 11, 12, 13]]]), max_new_tokens=6, do_sample=False
+    )
+    assert batched[0].tolist() == alone0[0].tolist()
+    assert batched[1, 2:].tolist() == alone1[0].tolist()
+
+
+def test_beam_search_on_batched_users_equals_each_alone():
+    model = tiny_ccm("llama", update="merge")
+    cache = _history(model, [[[5, 6, 7], [10, 11, 12]]], 2)
+    prompt = torch.tensor([[20, 21], [0, 22]])
+    mask = torch.tensor([[1, 1], [0, 1]])
+    batched = model.generate(
+        prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False
+    )
+    alone0 = model.generate(
+        prompt[:1], past_key_values=_history(model, [[[5, 6, 7]]]), max_new_tokens=5, num_beams=3, do_sample=False
+    )
+    alone1 = model.generate(
+        prompt[1:, 1:],
+        past_key_values=_history(model, [[[10, 11, 12]]]),
+        max_new_tokens=5,
+        num_beams=3,
+        do_sample=False,
+    )
+    assert batched[0].tolist() == alone0[0].tolist()
+    assert batched[1, 1:].tolist() == alone1[0].tolist()
+    # the returned beam's turn is in the cache, ready to fold
+    model.compress(cache)
+    assert cache.steps.tolist() == [2, 2]
+
+
+def test_empty_memory_generates_as_the_base_model():
+    model = tiny_ccm("gemma3")
+    base = tiny_base("gemma3")
+    prompt = torch.tensor([[0, 20, 21, 22], [30, 31, 32, 33]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    expected = base.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    got = model.generate(
+        prompt, attention_mask=mask, past_key_values=model.new_cache(2), max_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(got, expected)
+    assert model.base_model.get_output_embeddings().weight.shape[0] == VOCAB  # no <COMP> in the vocabulary
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self):
+        self.tokens.append("end")
+
+
+def test_sampling_with_a_streamer():
+    model = tiny_ccm("llama")
+    cache = _history(model, [[[5, 6, 7]]])
+    streamer = Collect()
+    torch.manual_seed(0)
+    out = model.generate(
+        torch.tensor([[20, 21]]), past_key_values=cache, max_new_tokens=5, do_sample=True, top_k=10, streamer=streamer
+    )
+    assert streamer.tokens == [*out[0].tolist(), "end"]
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+def test_memory_growth_follows_the_rule(update):
+    model = tiny_ccm("llama", update=update)
+    n = model.config.num_comp_tokens
+    cache = model.new_cache(2)
+    layers, heads, head_dim = 2, 2, 8
+    for step in range(1, 6):
+        model.compress(cache, torch.tensor([[5, 6, 7], [8, 9, 10]]))
+        expected = n * step if update == "concat" else n
+        assert cache.memory_length == expected
+        held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert cache.memory_bytes() == held == 2 * layers * 2 * heads * expected * head_dim * 4
+        assert cache.turn_length == 0
+
+
+def test_capped_memory_evicts_oldest():
+    model = tiny_ccm("llama", max_memory_tokens=5)
+    cache = model.new_cache()
+    kept = []
+    for step in range(4):
+        model.compress(cache, torch.tensor([[5 + step, 6, 7]]))
+        kept.append(cache.layers[0].keys[0, :, -2:].clone())
+        assert cache.memory_length == min(2 * (step + 1), 5)
+    newest = torch.cat(kept[-2:], dim=1)
+    assert torch.equal(cache.layers[0].keys[0, :, 1:], newest)  # the oldest slots left first
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_row_with_empty_mask_keeps_its_memory(update):
+    model = tiny_ccm("llama", update=update)
+    cache = _history(model, [[[5, 6, 7], [8, 9, 10]]], 2)
+    before = [layer.keys[1].clone() for layer in cache.layers]
+    model.compress(cache, torch.tensor([[11, 12], [0, 0]]), attention_mask=torch.tensor([[1, 1], [0, 0]]))
+    assert cache.steps.tolist() == [2, 1]
+    for layer, old in zip(cache.layers, before, strict=True):
+        row = layer.keys[1][:, cache.memory_mask[1]]
+        assert torch.equal(row, old[:, : row.shape[1]] if update == "concat" else old)
