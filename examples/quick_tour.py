@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 
@@ -23,11 +23,11 @@ def recall_sample(rng: random.Random) -> OnlineSample:
     return OnlineSample(contexts=contexts, input=[QUERY], output=[contexts[-1][1]])
 
 
-def build_model(update: str = "concat") -> CCMForCausalLM:
-    """A tiny random Llama wrapped for CCM. Any decoder-only AutoModelForCausalLM works the same way (an
-    instance, a local path or a Hub id); a tiny one keeps the tour fast."""
+def build_base() -> PreTrainedModel:
+    """A tiny random Llama (the same weights on every call). Any decoder-only AutoModelForCausalLM works the
+    same way (an instance, a local path or a Hub id); a tiny one keeps the tour fast."""
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(
+    return AutoModelForCausalLM.from_config(
         LlamaConfig(
             vocab_size=97,
             hidden_size=64,
@@ -39,7 +39,11 @@ def build_model(update: str = "concat") -> CCMForCausalLM:
             tie_word_embeddings=True,
         )
     )
-    return CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=2, update=update, lora_dropout=0.0))
+
+
+def build_model(update: str = "concat") -> CCMForCausalLM:
+    """The tiny base wrapped for CCM."""
+    return CCMForCausalLM.from_base(build_base(), CCMConfig(num_comp_tokens=2, update=update, lora_dropout=0.0))
 
 
 def train(model: CCMForCausalLM, steps: int = 200, log_every: int = 25) -> None:

@@ -27,3 +27,8 @@ def test_online_inference_answers_from_memory(capsys):
     answers = [line for line in lines if line.startswith("user ")]
     assert answers == ["user 0: last label 47, model answers 47", "user 1: last label 44, model answers 44"]
     assert lines[-1].endswith("memory equal: True")
+
+
+def test_sharing_round_trip(capsys):
+    runpy.run_path(str(EXAMPLES / "sharing.py"), run_name="__main__")
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "answer before saving: 52, after loading: 52 (expected 52)"

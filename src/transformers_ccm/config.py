@@ -31,6 +31,9 @@ class CCMConfig:
         target_modules: names of the modules that get a LoRA. `None` picks every linear projection of each
             attention layer (q, k, v, o, or the fused variants a model uses).
         base_model_name_or_path, base_model_revision: the base model the adapter was made for.
+        base_model_shape: that model's architecture and sizes (filled in when a model is wrapped), checked
+            against a base model before any weight is loaded.
+        trained_on: what the adapter was trained on, when known (shown in the model card).
     """
 
     num_comp_tokens: int = 2
@@ -44,6 +47,8 @@ class CCMConfig:
     target_modules: list[str] | None = None
     base_model_name_or_path: str | None = None
     base_model_revision: str | None = None
+    base_model_shape: dict[str, Any] | None = None
+    trained_on: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.num_comp_tokens, "num_comp_tokens", "a positive integer", _positive_int)

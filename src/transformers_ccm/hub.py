@@ -1,0 +1,200 @@
+"""Adapters as files: a PEFT-format LoRA plus `<COMP>` embeddings, `ccm_config.json` and a model card.
+
+Layout of a saved adapter (never the base weights, never pickle):
+
+    adapter_config.json         PEFT LoraConfig
+    adapter_model.safetensors   LoRA weights (PEFT key names) and `ccm.comp_embeddings`
+    ccm_config.json             CCMConfig: update rule, <COMP> length, base model id, revision and shape
+    README.md                   model card
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
+from huggingface_hub.errors import HFValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from transformers_ccm.config import CONFIG_NAME, CCMConfig
+
+if TYPE_CHECKING:
+    from transformers_ccm.modeling import CCMForCausalLM
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+MODEL_CARD_NAME = "README.md"
+ADAPTER_FILES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, CONFIG_NAME, MODEL_CARD_NAME)
+PEFT_PREFIX = "base_model.model."
+COMP_EMBEDDINGS_KEY = "ccm.comp_embeddings"
+
+_CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ title }}
+
+A [Compressed Context Memory](https://arxiv.org/abs/2312.03414) adapter for
+[{{ base_model }}](https://huggingface.co/{{ base_model }}): a conditional LoRA (rank {{ r }}) and
+{{ num_comp_tokens }} `<COMP>` embeddings that compress each new context into {{ num_comp_tokens }} key/value
+slots per layer, updated by **{{ update }}**.
+
+- Trained on: {{ trained_on }}
+- Base model revision: {{ revision }}
+- Made with transformers-ccm {{ version }}
+
+## Use
+
+```python
+from transformers_ccm import CCMForCausalLM
+
+model = CCMForCausalLM.from_pretrained("{{ repo_id }}")   # loads the base model too
+cache = model.new_cache()
+model.compress(cache, context_ids)
+out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+model.compress(cache)   # fold the turn into memory
+```
+"""
+
+
+def save_adapter(model: CCMForCausalLM, save_directory: str | os.PathLike[str], repo_id: str | None = None) -> None:
+    """Write the adapter files of `model` into `save_directory`."""
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    lora_config = model.base_model.peft_config["default"]
+    lora_config.base_model_name_or_path = config.base_model_name_or_path
+    lora_config.revision = config.base_model_revision
+    lora_config.task_type = "CAUSAL_LM"
+    lora_config.save_pretrained(str(folder))
+    tensors = {PEFT_PREFIX + key: value.detach().contiguous().cpu() for key, value in model.lora_state_dict().items()}
+    tensors[COMP_EMBEDDINGS_KEY] = model.comp_embeddings.detach().contiguous().cpu()
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    _model_card(config, repo_id or folder.name).save(folder / MODEL_CARD_NAME)
+
+
+def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
+    from transformers_ccm import __version__
+
+    base = config.base_model_name_or_path or "unknown"
+    card_data = ModelCardData(
+        base_model=base if config.base_model_name_or_path and not os.path.exists(base) else None,
+        library_name="transformers-ccm",
+        tags=["ccm", "context-compression", "peft", "lora", f"ccm-{config.update}"],
+        pipeline_tag="text-generation",
+    )
+    return ModelCard.from_template(
+        card_data,
+        template_str=_CARD_TEMPLATE,
+        title=f"{repo_id}: CCM-{config.update} adapter",
+        base_model=base,
+        r=config.r,
+        num_comp_tokens=config.num_comp_tokens,
+        update=config.update,
+        trained_on=config.trained_on or "not recorded",
+        revision=config.base_model_revision or "not recorded",
+        version=__version__,
+        repo_id=repo_id,
+    )
+
+
+def resolve_adapter(
+    name_or_path: str | os.PathLike[str],
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """A local folder holding the adapter: `name_or_path` itself, or its Hub snapshot (downloaded or cached)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    try:
+        folder = snapshot_download(
+            str(name_or_path),
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            allow_patterns=list(ADAPTER_FILES),
+        )
+    except HFValidationError:
+        raise FileNotFoundError(f"{name_or_path} is neither a local folder nor a valid Hub repo id.") from None
+    return Path(folder)
+
+
+def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
+    """Read and check the adapter files in `folder`. Returns its config and weights (PEFT keys without prefix,
+    plus `COMP_EMBEDDINGS_KEY`)."""
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{folder} holds no CCM adapter: {_what_is_there(folder)}")
+    config = CCMConfig.from_pretrained(folder)
+    for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
+            )
+    try:
+        json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
+        with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
+            tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+    except (json.JSONDecodeError, SafetensorError, OSError) as error:
+        raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
+    if COMP_EMBEDDINGS_KEY not in tensors:
+        raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
+    return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+def _what_is_there(folder: Path) -> str:
+    if (folder / ADAPTER_CONFIG_NAME).is_file():
+        try:
+            peft = json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            peft = {}
+        return (
+            f"it is a plain PEFT {peft.get('peft_type', '')} adapter for {peft.get('base_model_name_or_path')!r} "
+            f"without {CONFIG_NAME}; load it with peft.PeftModel.from_pretrained."
+        )
+    if (folder / "config.json").is_file():
+        return "it is a full transformers model (config.json); wrap it with CCMForCausalLM.from_base."
+    files = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    return f"no {CONFIG_NAME} among {files}."
+
+
+def check_base_shape(config: CCMConfig, base_name: str, base_shape: dict[str, Any]) -> None:
+    """Raise, naming both models, if `base_shape` is not the shape the adapter was made for."""
+    expected = config.base_model_shape or {}
+    differences = {key: (value, base_shape.get(key)) for key, value in expected.items() if base_shape.get(key) != value}
+    if differences:
+        details = ", ".join(
+            f"{key}: adapter {want!r} vs base {got!r}" for key, (want, got) in sorted(differences.items())
+        )
+        raise ValueError(
+            f"This adapter was made for {config.base_model_name_or_path!r}, which does not match the base model "
+            f"{base_name!r} ({details}). Pass the matching base model."
+        )
+
+
+def push_adapter(
+    model: CCMForCausalLM,
+    repo_id: str,
+    private: bool | None = None,
+    commit_message: str | None = None,
+    token: str | bool | None = None,
+) -> Any:
+    """Create `repo_id` if needed and upload the adapter files in one commit. Returns the commit info."""
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    with tempfile.TemporaryDirectory() as folder:
+        save_adapter(model, folder, repo_id=repo_id)
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message or f"Upload CCM-{model.config.update} adapter",
+            repo_type="model",
+        )

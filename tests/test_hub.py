@@ -1,0 +1,252 @@
+"""Adapters as files: save, load (folder or Hub cache, offline), push, and the errors that keep loads whole."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import hub as hub_module
+
+PROMPT = torch.tensor([[20, 21, 22]])
+CONTEXT = torch.tensor([[5, 6, 7, 8]])
+ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "ccm_config.json", "README.md"}
+
+
+def _adapter(base_path=None, seed=1, **config):
+    config.setdefault("base_model_name_or_path", base_path)
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(**config)), seed=seed)
+
+
+def _answer(model):
+    """Logits of a prompt after compressing a context, and a greedy continuation."""
+    cache = model.new_cache()
+    model.compress(cache, CONTEXT)
+    with torch.no_grad():
+        logits = model(input_ids=PROMPT, past_key_values=model.new_cache()).logits
+    cache_for_generate = model.new_cache()
+    model.compress(cache_for_generate, CONTEXT)
+    tokens = model.generate(PROMPT, past_key_values=cache_for_generate, max_new_tokens=5, do_sample=False)
+    return logits, tokens
+
+
+@pytest.fixture
+def base_folder(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    tiny_base("llama").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_save_then_load_gives_identical_logits_and_generation(tmp_path, base_folder, update):
+    model = _adapter(str(base_folder), update=update)
+    model.save_pretrained(tmp_path / "adapter")
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == ADAPTER_FILES
+    loaded = CCMForCausalLM.from_pretrained(tmp_path / "adapter").eval()  # resolves the base model itself
+    assert loaded.config == model.config
+    for got, expected in zip(_answer(loaded), _answer(model), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_saved_files_are_peft_format_and_hold_no_base_weights(tmp_path, base_folder):
+    model = _adapter(str(base_folder), trained_on="synthetic recall")
+    model.save_pretrained(tmp_path / "adapter")
+    peft_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 8
+    assert peft_config["base_model_name_or_path"] == str(base_folder)
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as file:
+        keys = set(file.keys())
+    assert "ccm.comp_embeddings" in keys
+    lora = keys - {"ccm.comp_embeddings"}
+    assert lora and all(k.startswith("base_model.model.") and ".lora_" in k for k in lora)
+    ccm = json.loads((tmp_path / "adapter" / "ccm_config.json").read_text())
+    assert ccm["update"] == "concat" and ccm["ccm_version"] and ccm["base_model_shape"]["model_type"] == "llama"
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "library_name: transformers-ccm" in card and "- ccm" in card and "- context-compression" in card
+    assert "synthetic recall" in card and "CCMForCausalLM.from_pretrained" in card
+    assert not list((tmp_path / "adapter").glob("*.bin")) and not list((tmp_path / "adapter").glob("model*"))
+
+
+def test_hub_card_names_hub_base_model(tmp_path):
+    model = _adapter("acme/tiny-llama")
+    model.save_pretrained(tmp_path / "adapter")
+    assert "base_model: acme/tiny-llama" in (tmp_path / "adapter" / "README.md").read_text()
+
+
+def test_load_with_a_given_base_model(tmp_path):
+    model = _adapter(None)
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tiny_base("llama")).eval()
+    assert torch.equal(_answer(loaded)[1], _answer(model)[1])
+
+
+def test_load_adapter_replaces_weights(tmp_path):
+    source = _adapter(None, seed=3, update="merge")
+    source.save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=4)
+    target.load_adapter(tmp_path / "adapter")
+    assert target.config.update == "merge"
+    assert torch.equal(_answer(target.eval())[0], _answer(source)[0])
+
+
+def _hub_cache_repo(cache, repo_id, commit, source, branch="main"):
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(source, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / branch).write_text(commit)
+
+
+LOAD_SCRIPT = """
+import json, sys, torch
+from transformers_ccm import CCMForCausalLM
+model = CCMForCausalLM.from_pretrained("acme/tiny-ccm", revision=sys.argv[1] or None).eval()
+cache = model.new_cache()
+model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor([[20, 21, 22]]), past_key_values=cache).logits
+print(json.dumps({"logits": logits.flatten().tolist(), "update": model.config.update}))
+"""
+
+
+def test_load_by_repo_id_from_hub_cache_offline_with_revision_pinning(tmp_path, base_folder):
+    cache = tmp_path / "hub"
+    _hub_cache_repo(cache, "acme/tiny-llama", "c" * 40, base_folder)
+    old, new = _adapter("acme/tiny-llama", seed=5), _adapter("acme/tiny-llama", seed=6, update="merge")
+    old.save_pretrained(tmp_path / "old")
+    new.save_pretrained(tmp_path / "new")
+    _hub_cache_repo(cache, "acme/tiny-ccm", "a" * 40, tmp_path / "old")
+    _hub_cache_repo(cache, "acme/tiny-ccm", "b" * 40, tmp_path / "new")  # main now points to the new one
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+
+    def load(revision):
+        result = subprocess.run(
+            [sys.executable, "-c", LOAD_SCRIPT, revision], env=env, capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    for revision, model, update in (("", new, "merge"), ("a" * 40, old, "concat")):
+        loaded = load(revision)
+        cache_ = model.new_cache()
+        model.compress(cache_, CONTEXT)
+        with torch.no_grad():
+            expected = model(input_ids=PROMPT, past_key_values=cache_).logits.flatten()
+        assert loaded["update"] == update
+        torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, atol=1e-6, rtol=0)
+
+
+class FakeHfApi:
+    """Stands in for the Hub at the network boundary and records what it is handed."""
+
+    calls: ClassVar[list] = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
+        self.calls.append(("create_repo", repo_id, private, exist_ok, self.token))
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None, repo_type=None):
+        files = {p.name: p.stat().st_size for p in Path(folder_path).iterdir()}
+        self.calls.append(("upload_folder", repo_id, commit_message, files))
+        return "commit-info"
+
+
+def test_push_to_hub_uploads_adapter_files_in_one_commit(monkeypatch):
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    model = _adapter("acme/tiny-llama")
+    result = model.push_to_hub("me/tiny-ccm", private=True, commit_message="first adapter", token="hf_x")
+    assert result == "commit-info"
+    (create, upload) = FakeHfApi.calls
+    assert create == ("create_repo", "me/tiny-ccm", True, True, "hf_x")
+    assert upload[:3] == ("upload_folder", "me/tiny-ccm", "first adapter")
+    assert set(upload[3]) == ADAPTER_FILES
+    base_bytes = sum(p.numel() * p.element_size() for p in model.base_model.parameters())
+    assert upload[3]["adapter_model.safetensors"] < base_bytes / 2  # the adapter, not the base weights
+
+
+# ----- errors ----------------------------------------------------------------------------------------------------
+
+
+def test_base_model_of_another_shape_fails_before_loading_weights(tmp_path, base_folder):
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    other = tmp_path / "other-base"
+    other.mkdir()
+    config = json.loads((base_folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 48, "head_dim": 12}))
+    # other-base has no weights at all: reaching them would raise a different error
+    with pytest.raises(
+        ValueError, match=r"made for .*tiny-llama.* does not match the base model .*other-base.*hidden_size"
+    ):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=other)
+    with pytest.raises(ValueError, match="model_type: adapter 'llama' vs base 'qwen3'"):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tiny_base("qwen3"))
+
+
+def test_missing_and_corrupt_files(tmp_path, base_folder):
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "adapter", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 30)
+    with pytest.raises(ValueError, match="corrupt adapter file"):
+        CCMForCausalLM.from_pretrained(broken)
+    (broken / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no adapter_model\.safetensors"):
+        CCMForCausalLM.from_pretrained(broken)
+    (broken / "ccm_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="corrupt"):
+        CCMForCausalLM.from_pretrained(broken)
+
+
+def test_unknown_config_version(tmp_path, base_folder):
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    path = tmp_path / "adapter" / "ccm_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 7}))
+    with pytest.raises(ValueError, match="format_version 7"):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter")
+
+
+def test_folders_without_ccm_files_say_what_they_are(tmp_path, base_folder):
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(tiny_base("llama"), LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp_path / "peft")
+    with pytest.raises(FileNotFoundError, match="plain PEFT LORA adapter"):
+        CCMForCausalLM.from_pretrained(tmp_path / "peft")
+    with pytest.raises(FileNotFoundError, match="full transformers model"):
+        CCMForCausalLM.from_pretrained(base_folder)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no ccm_config\.json"):
+        CCMForCausalLM.from_pretrained(tmp_path / "empty")
+
+
+def test_load_adapter_of_another_structure_changes_nothing(tmp_path):
+    _adapter(None, num_comp_tokens=4).save_pretrained(tmp_path / "four")
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match="num_comp_tokens: adapter 4 vs model 2"):
+        target.load_adapter(tmp_path / "four")
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def test_weights_that_do_not_fit_change_nothing(tmp_path):
+    model = _adapter(None)
+    model.save_pretrained(tmp_path / "adapter")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    tensors.pop(next(k for k in tensors if "lora_B" in k))
+    save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"do not fit this model \(missing"):
+        target.load_adapter(tmp_path / "adapter")
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
