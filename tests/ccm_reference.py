@@ -7,27 +7,18 @@ prefilled with the memory: none of the package's masks, positions or memory code
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
 
 from transformers_ccm import CCMForCausalLM
-from transformers_ccm.lora import lora_layers
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-@contextlib.contextmanager
-def lora_off(model: CCMForCausalLM) -> Iterator[None]:
-    layers = lora_layers(model.base_model)
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
+def lora_off(model: CCMForCausalLM) -> contextlib.AbstractContextManager[None]:
+    return model.adapter_disabled()
 
 
 def _cache_of(model: CCMForCausalLM, memory: list[KV] | None) -> DynamicCache:

@@ -31,4 +31,6 @@ def test_online_inference_answers_from_memory(capsys):
 
 def test_sharing_round_trip(capsys):
     runpy.run_path(str(EXAMPLES / "sharing.py"), run_name="__main__")
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "answer before saving: 52, after loading: 52 (expected 52)"
+    assert (
+        capsys.readouterr().out.strip().splitlines()[-1] == "answer before saving: 52, after loading: 52 (expected 52)"
+    )

@@ -29,12 +29,14 @@ class OnlineSample:
 
     `contexts[j]` is `c(j+1)` (for a dialogue: the previous turn), `input` is `I(t)` and `output` is `O(t)`;
     each is a list of token ids, a 1-D tensor, or a string (then the collator needs a tokenizer).
-    `output=None` gives a sample to score or evaluate, with no loss.
+    `output=None` gives a sample to score or evaluate, with no loss. `choices` (one of them the output) are
+    the candidates of a multiple-choice evaluation; training ignores them.
     """
 
     contexts: Sequence[Tokens]
     input: Tokens
     output: Tokens | None = None
+    choices: Sequence[Tokens] | None = None
 
 
 class CCMDataCollator:

@@ -105,13 +105,29 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     )
 
 
+SHIPPED_PREFIX = "ccm:"
+SHIPPED_FOLDER = Path(__file__).parent / "adapters"
+
+
+def shipped_adapters() -> list[str]:
+    """Short names of the adapters shipped inside the package (`ccm:<name>`; no Hub id has a colon)."""
+    return sorted(SHIPPED_PREFIX + p.name for p in SHIPPED_FOLDER.iterdir() if (p / CONFIG_NAME).is_file())
+
+
 def resolve_adapter(
     name_or_path: str | os.PathLike[str],
     revision: str | None = None,
     token: str | bool | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """A local folder holding the adapter: `name_or_path` itself, or its Hub snapshot (downloaded or cached)."""
+    """A local folder holding the adapter: a shipped adapter (`ccm:<name>`), `name_or_path` itself, or its Hub
+    snapshot (downloaded or cached)."""
+    name = os.fspath(name_or_path)
+    if name.startswith(SHIPPED_PREFIX):
+        folder = SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
+        if not (folder / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"No shipped adapter {name!r}; shipped: {shipped_adapters()}.")
+        return folder
     path = Path(name_or_path)
     if path.is_dir():
         return path

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from transformers_ccm.attention import (
@@ -24,6 +24,7 @@ from transformers_ccm.attention import (
 )
 from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.config import CCMConfig
+from transformers_ccm.embedded import load_base_config, load_base_model, resolve_name
 from transformers_ccm.hub import (
     COMP_EMBEDDINGS_KEY,
     check_base_shape,
@@ -84,7 +85,7 @@ class CCMForCausalLM(nn.Module):
         """Wrap a loaded model, or load one by local path or Hub id (kwargs go to `from_pretrained`)."""
         config = config or CCMConfig()
         if isinstance(model, (str, os.PathLike)):
-            model = AutoModelForCausalLM.from_pretrained(os.fspath(model), **from_pretrained_kwargs)
+            model = load_base_model(model, **from_pretrained_kwargs)
         elif from_pretrained_kwargs:
             raise TypeError(
                 f"from_base got a loaded model and loading arguments {sorted(from_pretrained_kwargs)}; "
@@ -122,6 +123,18 @@ class CCMForCausalLM(nn.Module):
         else:
             with self._gate.active(comp_mask):
                 yield
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Within the context the model is exactly its base model (no LoRA anywhere)."""
+        layers = lora_layers(self.base_model)
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
 
     def forward(
         self,
@@ -378,7 +391,7 @@ class CCMForCausalLM(nn.Module):
                 )
             base = base_model
         else:
-            base_name = os.fspath(base_model) if base_model is not None else config.base_model_name_or_path
+            base_name = resolve_name(base_model) if base_model is not None else config.base_model_name_or_path
             if base_name is None:
                 raise ValueError(f"The adapter at {folder} names no base model; pass base_model=.")
             options = {
@@ -387,10 +400,10 @@ class CCMForCausalLM(nn.Module):
                 "cache_dir": cache_dir,
             }
             options = {key: value for key, value in options.items() if value is not None}
-            base_config = AutoConfig.from_pretrained(base_name, **options, **base_kwargs)
+            base_config = load_base_config(base_name, **options, **base_kwargs)
             check_base_shape(config, base_name, base_shape(base_config))
             loading = {"dtype": torch_dtype, "device_map": device_map}
-            base = AutoModelForCausalLM.from_pretrained(
+            base = load_base_model(
                 base_name, **options, **{k: v for k, v in loading.items() if v is not None}, **base_kwargs
             )
         model = cls(base, config)
@@ -443,8 +456,12 @@ class CCMForCausalLM(nn.Module):
             )
             self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
 
-    def num_parameters(self, only_trainable: bool = False) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters of the base model, its LoRA and the `<COMP>` embeddings (as `PreTrainedModel` counts)."""
+        comp = 0 if exclude_embeddings else self.comp_embeddings.numel()
+        return (
+            self.base_model.num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + comp
+        )
 
     def print_trainable_parameters(self) -> None:
         trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()

@@ -1,0 +1,256 @@
+"""The `ccm` command: train, eval, chat and demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from transformers_ccm.config import CCMConfig
+from transformers_ccm.embedded import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from transformers_ccm.chat import TurnReport
+    from transformers_ccm.data import OnlineSample
+    from transformers_ccm.modeling import CCMForCausalLM
+
+
+# Commands import torch and transformers inside their handlers, so that `ccm --help` answers at once.
+
+
+def _add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="base model: 'default' (SmolLM2-135M-Instruct, embedded), a local path or a Hub id",
+    )
+
+
+def _load_samples(task: str, split: str, count: int, seed: int) -> list[OnlineSample]:
+    from transformers_ccm.tasks import load_jsonl, make_samples
+
+    if task.endswith(".jsonl") or os.path.exists(task):
+        return load_jsonl(task)
+    return make_samples(task, split, count, seed=seed)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    import torch
+
+    from transformers_ccm.embedded import load_tokenizer
+    from transformers_ccm.modeling import CCMForCausalLM
+    from transformers_ccm.training import TrainingRecipe, train
+
+    torch.manual_seed(args.seed)
+    config = CCMConfig(
+        num_comp_tokens=args.num_comp_tokens,
+        update=args.update,
+        ema_alpha=args.ema_alpha,
+        r=args.lora_r,
+        trained_on=args.trained_on
+        or (
+            f"transformers-ccm built-in task '{args.task}'"
+            if not os.path.exists(args.task)
+            else os.path.basename(args.task)
+        ),
+    )
+    model = CCMForCausalLM.from_base(args.model, config)
+    tokenizer = load_tokenizer(args.model)
+    recipe = TrainingRecipe(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        gradient_accumulation=args.gradient_accumulation,
+        learning_rate=args.learning_rate,
+        eval_every=args.eval_every,
+        save_every=args.eval_every,
+        seed=args.seed,
+    )
+    train_samples = _load_samples(
+        args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed
+    )
+    eval_samples = (
+        _load_samples(args.eval_task, "test", args.eval_samples, args.seed)
+        if args.eval_task
+        else _load_samples(args.task, "test", args.eval_samples, args.seed)
+        if not os.path.exists(args.task)
+        else None
+    )
+    model.print_trainable_parameters()
+    train(model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume)
+    print(f"adapter saved to {args.output_dir}")
+
+
+def _load_ccm(adapter: str, model_name: str) -> tuple[CCMForCausalLM, PreTrainedTokenizerBase]:
+    from transformers_ccm.embedded import load_tokenizer, resolve_name
+    from transformers_ccm.hub import read_adapter, resolve_adapter
+    from transformers_ccm.modeling import CCMForCausalLM
+
+    config, _ = read_adapter(resolve_adapter(adapter))
+    base = None if model_name == DEFAULT_MODEL and config.base_model_name_or_path else model_name
+    model = CCMForCausalLM.from_pretrained(adapter, base_model=base).eval()
+    return model, load_tokenizer(resolve_name(base or config.base_model_name_or_path))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from transformers_ccm.evaluation import plot, score_samples, summarize
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
+
+    models = {}
+    for adapter in args.adapters:
+        model, tokenizer = _load_ccm(adapter, args.model)
+        models[f"ccm-{model.config.update}" if len(args.adapters) == len({a for a in args.adapters}) else adapter] = (
+            model
+        )
+    reference = next(iter(models.values()))
+    results = []
+    for task in args.tasks:
+        for steps in args.steps or EVAL_STEPS[task]:
+            samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps)
+            methods = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
+            methods += [(name, model, "ccm") for name, model in models.items()]
+            for name, model, method in methods:
+                score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
+                results.append({"task": task, **score.to_dict(), "method": name})
+                print(
+                    f"{task:16s} t={steps:<3d} {name:13s} {score.metric} {score.value:8.3f}  "
+                    f"context KV {score.context_kv_tokens:7.1f}  peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
+                    flush=True,
+                )
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results)
+    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
+    plot(results, str(output / "eval.png"))
+    print("\nat the largest time step:")
+    for row in summary:
+        print(
+            f"{row['task']:16s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  full "
+            f"{row['full_context']:.3f}  ccm {row['ccm']:.3f}  gain recovered {row['gain_recovered']:.0%}  "
+            f"memory {row['context_memory_ratio']:.3f} of full context"
+        )
+    print(f"wrote {output / 'eval.json'} and {output / 'eval.png'}")
+
+
+def _print_turn(report: TurnReport) -> None:
+    print(f"assistant: {report.reply}")
+    print(
+        f"  [memory: {report.memory_slots} slots, {report.memory_bytes / 1024:.1f} KiB | full context would hold "
+        f"{report.full_context_tokens} tokens, {report.full_context_bytes / 1024:.1f} KiB]",
+        flush=True,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from transformers_ccm.cache import CompressedMemoryCache
+    from transformers_ccm.chat import ChatSession
+
+    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model)
+    cache = None
+    if args.memory_file and os.path.exists(args.memory_file):
+        cache = CompressedMemoryCache.load(args.memory_file, model)
+        print(f"(memory loaded from {args.memory_file}: {cache.memory_length} slots)")
+    session = ChatSession(model, tokenizer, cache, max_new_tokens=args.max_new_tokens)
+    print("Type a message (an empty line or Ctrl-D ends).", flush=True)
+    for line in sys.stdin:
+        message = line.strip()
+        if not message or message in ("exit", "quit"):
+            break
+        print(f"you: {message}")
+        _print_turn(session.turn(message))
+        if args.memory_file:
+            session.cache.save(args.memory_file)
+
+
+DEMO_SCRIPT = (
+    "Hi! My name is Maria.",
+    "I work as a pharmacist.",
+    "I live in Oregon.",
+    "What do you think about music?",
+    "My best friend is called Tom.",
+    "Do you remember my name?",
+    "What do I do for a living?",
+    "What is my best friend called?",
+)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from transformers_ccm.chat import ChatSession
+
+    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model)
+    print(
+        f"CCM-{model.config.update} on {model.config.base_model_name_or_path}: every turn is folded into "
+        f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
+    )
+    session = ChatSession(model, tokenizer, max_new_tokens=args.max_new_tokens)
+    for message in DEMO_SCRIPT[: args.turns]:
+        print(f"you: {message}")
+        _print_turn(session.turn(message))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ccm", description="Compressed Context Memory for transformers models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a compression adapter")
+    _add_model(train)
+    train.add_argument("--task", default="mixture", help="icl | personalization | dialogue | mixture, or a JSONL file")
+    train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
+    train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
+    train.add_argument("--num-comp-tokens", type=int, default=2)
+    train.add_argument("--ema-alpha", type=float, default=0.5)
+    train.add_argument("--lora-r", type=int, default=8)
+    train.add_argument("--steps", type=int, default=300)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--gradient-accumulation", type=int, default=1)
+    train.add_argument("--learning-rate", type=float, default=1e-3)
+    train.add_argument("--eval-every", type=int, default=50)
+    train.add_argument("--eval-samples", type=int, default=48)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
+    train.add_argument("--output-dir", required=True)
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.set_defaults(handler=cmd_train)
+
+    evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")
+    _add_model(evaluate)
+    evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
+    evaluate.add_argument("--tasks", nargs="+", default=["icl", "personalization", "dialogue"])
+    evaluate.add_argument("--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's)")
+    evaluate.add_argument("--samples", type=int, default=48)
+    evaluate.add_argument("--batch-size", type=int, default=16)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--output-dir", default="docs/results")
+    evaluate.set_defaults(handler=cmd_eval)
+
+    for name, handler, text in (("chat", cmd_chat, "talk with memory"), ("demo", cmd_demo, "a scripted chat")):
+        sub = commands.add_parser(name, help=text)
+        _add_model(sub)
+        sub.add_argument("--update", choices=["concat", "merge"], default="concat", help="which shipped adapter")
+        sub.add_argument("--adapter", default=None, help="an adapter folder, Hub id or ccm:<name> instead")
+        sub.add_argument("--max-new-tokens", type=int, default=64)
+        if name == "chat":
+            sub.add_argument("--memory-file", default=None, help="keep this user's memory between runs")
+        else:
+            sub.add_argument("--turns", type=int, default=len(DEMO_SCRIPT))
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"ccm {args.command}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

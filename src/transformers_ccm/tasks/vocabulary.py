@@ -1,0 +1,53 @@
+"""Real word lists that install offline (from Faker's data), split by identity into train and test."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from typing import Literal
+
+from faker.providers.address.en_US import Provider as Address
+from faker.providers.color.en_US import Provider as Color
+from faker.providers.job.en_US import Provider as Job
+from faker.providers.lorem.en_US import Provider as Lorem
+from faker.providers.person import Provider as Person
+from faker.providers.person.en_US import Provider as EnglishPerson
+
+Split = Literal["train", "test"]
+SPLITS: tuple[str, ...] = ("train", "test")
+TEST_FRACTION = 5  # one item in five is held out for the test split
+
+
+def _words(text: str) -> str:
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", text).lower()
+
+
+@functools.cache
+def _pools() -> dict[str, tuple[str, ...]]:
+    jobs = [job for job in Job.jobs if "," not in job and "(" not in job and len(job.split()) <= 2]
+    return {
+        "first_name": tuple(sorted(set(EnglishPerson.first_names_male) | set(EnglishPerson.first_names_female))),
+        "country": tuple(Address.countries),
+        "language": tuple(Person.language_names),
+        "job": tuple(job.lower() for job in jobs),
+        "state": tuple(Address.states),
+        "color": tuple(sorted({_words(name) for name in Color.all_colors})),
+        "word": tuple(sorted({w for w in Lorem.word_list if w.isalpha() and 4 <= len(w) <= 8})),
+    }
+
+
+POOLS: tuple[str, ...] = ("first_name", "country", "language", "job", "state", "color", "word")
+
+
+def in_test_split(item: str) -> bool:
+    """Whether `item` belongs to the test split (a stable hash of the item itself)."""
+    return int(hashlib.sha256(item.encode()).hexdigest()[:8], 16) % TEST_FRACTION == 0
+
+
+@functools.cache
+def words(pool: str, split: Split) -> tuple[str, ...]:
+    """The items of `pool` ("first_name", "country", ...) in `split`; train and test never share an item."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
+    return tuple(item for item in _pools()[pool] if in_test_split(item) == (split == "test"))

@@ -1,0 +1,177 @@
+"""The ccm command end to end on a tiny model that shares the embedded model's tokenizer."""
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from transformers_ccm.cli import main
+from transformers_ccm.embedded import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-smollm")
+    tokenizer = load_tokenizer("default")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model, tmp_path_factory):
+    output = tmp_path_factory.mktemp("adapter")
+    main(
+        [
+            "train",
+            "--model",
+            tiny_model,
+            "--task",
+            "mixture",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-samples",
+            "2",
+            "--output-dir",
+            str(output),
+        ]
+    )
+    return str(output)
+
+
+def test_train_writes_an_adapter_with_checkpoints(adapter):
+    config = json.loads(Path(adapter, "ccm_config.json").read_text())
+    assert config["update"] == "concat" and "mixture" in config["trained_on"]
+    assert Path(adapter, "README.md").read_text().count("built-in task 'mixture'") == 1
+
+
+def test_train_resumes(tiny_model, adapter, capsys):
+    main(
+        [
+            "train",
+            "--model",
+            tiny_model,
+            "--task",
+            "mixture",
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-samples",
+            "2",
+            "--output-dir",
+            adapter,
+            "--resume",
+        ]
+    )
+    assert "adapter saved" in capsys.readouterr().out
+
+
+def test_train_on_a_jsonl_file(tiny_model, tmp_path):
+    from transformers_ccm.tasks import make_samples, save_jsonl
+
+    save_jsonl(make_samples("icl", "train", 6), tmp_path / "mine.jsonl")
+    main(
+        [
+            "train",
+            "--model",
+            tiny_model,
+            "--task",
+            str(tmp_path / "mine.jsonl"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--update",
+            "merge",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert json.loads((tmp_path / "out" / "ccm_config.json").read_text())["trained_on"] == "mine.jsonl"
+
+
+def test_eval_writes_json_and_plot(tiny_model, adapter, tmp_path, capsys):
+    main(
+        [
+            "eval",
+            "--model",
+            tiny_model,
+            "--adapters",
+            adapter,
+            "--tasks",
+            "icl",
+            "dialogue",
+            "--steps",
+            "1",
+            "2",
+            "--samples",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    report = json.loads((tmp_path / "eval.json").read_text())
+    methods = {(r["task"], r["steps"], r["method"]) for r in report["results"]}
+    assert methods == {
+        (t, s, m) for t in ("icl", "dialogue") for s in (1, 2) for m in ("no_context", "full_context", "ccm-concat")
+    }
+    assert {row["task"] for row in report["summary"]} == {"icl", "dialogue"}
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+    assert "gain recovered" in capsys.readouterr().out
+
+
+def test_chat_from_a_script_keeps_memory_between_runs(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    memory = tmp_path / "user.safetensors"
+    arguments = [
+        "chat",
+        "--model",
+        tiny_model,
+        "--adapter",
+        adapter,
+        "--memory-file",
+        str(memory),
+        "--max-new-tokens",
+        "4",
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\nWhat is my name?\n"))
+    main(arguments)
+    out = capsys.readouterr().out
+    assert out.count("assistant:") == 2 and "[memory: 4 slots" in out and memory.is_file()
+    monkeypatch.setattr("sys.stdin", io.StringIO("Still there?\n"))
+    main(arguments)
+    out = capsys.readouterr().out
+    assert "memory loaded from" in out and ": 4 slots)" in out and "[memory: 6 slots" in out
+
+
+def test_demo_runs_by_itself(tiny_model, adapter, capsys):
+    main(["demo", "--model", tiny_model, "--adapter", adapter, "--turns", "3", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert out.count("you: ") == 3 and out.count("full context would hold") == 3
+
+
+def test_cli_errors_are_clear(tiny_model, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", tiny_model, "--task", "qa", "--steps", "1", "--output-dir", "/tmp/none"])
+    assert exit_info.value.code == 2 and "Unknown task 'qa'" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""The adapters shipped in the package load by short name, on the embedded model, and hold a conversation."""
+
+import pytest
+
+from transformers_ccm import CCMForCausalLM
+from transformers_ccm.chat import ChatSession
+from transformers_ccm.embedded import EMBEDDED_MODEL_ID, load_tokenizer
+from transformers_ccm.hub import read_adapter, resolve_adapter, shipped_adapters
+
+EXPECTED = {"ccm:smollm2-concat": ("concat", 1), "ccm:smollm2-merge": ("merge", 2)}
+
+
+def test_shipped_adapters_are_listed():
+    assert shipped_adapters() == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize(("name", "expected"), EXPECTED.items())
+def test_shipped_config_matches(name, expected):
+    config, tensors = read_adapter(resolve_adapter(name))
+    assert (config.update, config.num_comp_tokens) == expected
+    assert config.base_model_name_or_path == EMBEDDED_MODEL_ID
+    assert config.base_model_shape["model_type"] == "llama" and config.base_model_shape["num_hidden_layers"] == 30
+    assert "mixture" in config.trained_on
+    assert tensors["ccm.comp_embeddings"].shape == (expected[1], 576)
+
+
+def test_unknown_short_name():
+    with pytest.raises(FileNotFoundError, match="No shipped adapter 'ccm:gpt9'"):
+        resolve_adapter("ccm:gpt9")
+
+
+def test_default_model_is_recorded_by_its_hub_id():
+    model = CCMForCausalLM.from_base("default")
+    assert model.config.base_model_name_or_path == EMBEDDED_MODEL_ID == model.base_model.name_or_path
+
+
+def test_concat_adapter_holds_a_conversation_in_memory():
+    model = CCMForCausalLM.from_pretrained("ccm:smollm2-concat").eval()
+    session = ChatSession(model, load_tokenizer("default"), max_new_tokens=12)
+    first = session.turn("Hi! My name is Maria.")
+    second = session.turn("Do you remember my name?")
+    assert (first.memory_slots, second.memory_slots) == (1, 2)  # one slot per turn, not the turn's tokens
+    assert second.full_context_tokens > 20 * second.memory_slots
+    assert second.memory_bytes == 2 * model.base_model.config.num_hidden_layers * 2 * 3 * 64 * 4
+    assert session.cache.turn_length == 0

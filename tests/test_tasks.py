@@ -1,0 +1,111 @@
+"""Built-in online tasks and the JSONL format."""
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformers_ccm import OnlineSample
+from transformers_ccm.tasks import EVAL_STEPS, MIXTURE, TASKS, load_jsonl, make_samples, save_jsonl
+from transformers_ccm.tasks.vocabulary import POOLS, in_test_split, words
+
+
+@pytest.mark.parametrize("task", [*TASKS, MIXTURE])
+def test_deterministic_by_seed(task):
+    assert make_samples(task, "train", 12, seed=3) == make_samples(task, "train", 12, seed=3)
+    assert make_samples(task, "train", 12, seed=3) != make_samples(task, "train", 12, seed=4)
+    assert make_samples(task, "train", 12, seed=3) != make_samples(task, "test", 12, seed=3)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_pools_split_by_identity(pool):
+    train, test = set(words(pool, "train")), set(words(pool, "test"))
+    assert train and test and not train & test
+    assert all(in_test_split(item) for item in test)
+
+
+TEST_ITEMS = {w for pool in POOLS for w in words(pool, "test")}
+
+
+def _values(task, sample):
+    """The word-list items a sample is built from (entities, labels, profile values, recalled facts)."""
+    if task == "icl":
+        entities = re.findall(r"Input: (.*)\n", "".join(sample.contexts) + sample.input + "\n")
+        return entities + [c.strip() for c in sample.choices]
+    if task == "personalization":
+        return [c.strip() for c in sample.choices]
+    recalled = re.search(r"(?:name is|work as a|live in|called|learning|colour is) (.+)\.<\|im_end\|>$", sample.output)
+    return [recalled.group(1)]
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_test_samples_use_only_test_items(task):
+    """Test tasks, users and dialogues are built only from held-out items: never seen in training."""
+    for sample in make_samples(task, "test", 40, seed=1):
+        values = _values(task, sample)
+        assert values and all(value in TEST_ITEMS for value in values), values
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@settings(max_examples=10, deadline=None)
+@given(steps=st.integers(1, 16), seed=st.integers(0, 10_000))
+def test_format(task, steps, seed):
+    (sample,) = make_samples(task, "train", 1, seed=seed, steps=steps)
+    assert len(sample.contexts) == steps
+    assert all(isinstance(c, str) and c for c in sample.contexts)
+    assert sample.input and sample.output
+    if task == "dialogue":
+        assert sample.choices is None
+        assert all(c.startswith("<|im_start|>user\n") and c.endswith("<|im_end|>\n") for c in sample.contexts)
+        assert sample.output.endswith("<|im_end|>")
+    else:
+        assert sample.output in sample.choices and len(set(sample.choices)) == len(sample.choices) >= 2
+
+
+def test_answers_need_the_contexts():
+    """The asked fact or the label mapping appears in the contexts."""
+    for sample in make_samples("personalization", "test", 20, seed=2, steps=6):
+        assert sample.output.strip() in "".join(sample.contexts)
+    for sample in make_samples("dialogue", "test", 20, seed=2, steps=6):
+        recalled = sample.output.removesuffix("<|im_end|>").rstrip(".").split()[-1]
+        assert recalled in "".join(sample.contexts)
+
+
+def test_eval_steps_match_the_paper():
+    assert EVAL_STEPS["icl"] == (1, 2, 4, 8, 16) and EVAL_STEPS["dialogue"][-1] == 12
+
+
+def test_jsonl_round_trip(tmp_path):
+    samples = make_samples(MIXTURE, "test", 9, seed=5)
+    save_jsonl(samples, tmp_path / "data.jsonl")
+    assert load_jsonl(tmp_path / "data.jsonl") == samples
+    first = json.loads((tmp_path / "data.jsonl").read_text().splitlines()[0])
+    assert set(first) >= {"contexts", "input", "output"}
+
+
+def test_jsonl_with_token_ids(tmp_path):
+    (tmp_path / "ids.jsonl").write_text('{"contexts": [[1, 2], [3]], "input": [4], "output": [5]}\n\n')
+    assert load_jsonl(tmp_path / "ids.jsonl") == [OnlineSample([[1, 2], [3]], [4], [5])]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json\n", "line 1|:1 is not valid JSON"),
+        ('{"input": "x"}\n', "needs an object with 'contexts'"),
+        ('{"contexts": "x", "input": "y"}\n', "'contexts' must be a list"),
+        ('{"contexts": [], "input": "y", "label": 1}\n', "unknown fields"),
+        ("\n", "holds no samples"),
+    ],
+)
+def test_jsonl_errors(tmp_path, text, message):
+    (tmp_path / "bad.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_unknown_task():
+    with pytest.raises(ValueError, match="Unknown task 'qa'"):
+        make_samples("qa", "train", 1)
