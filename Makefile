@@ -17,19 +17,16 @@ test: install
 	$(PYTHON) -m ruff check src tests examples
 	$(PYTHON) -m pytest
 
-# Slow, on the real model (about 40 minutes each on 2 CPU cores): train the shipped adapters, then
-# measure them. The adapter files (not the checkpoints) are copied into the package.
-ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json README.md
+# Slow, on the real model (about 40 minutes each on 2 CPU cores): train the shipped adapters into the
+# package (keeping the adapter files, not the checkpoints), then measure them.
+SHIPPED = src/transformers_ccm/adapters
 
 adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update concat --num-comp-tokens 1 \
-		--steps 200 --batch-size 8 --output-dir out/smollm2-concat
+		--steps 200 --batch-size 8 --output-dir $(SHIPPED)/smollm2-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
-		--steps 200 --batch-size 8 --output-dir out/smollm2-merge
-	for name in smollm2-concat smollm2-merge; do \
-		mkdir -p src/transformers_ccm/adapters/$$name; \
-		for file in $(ADAPTER_FILES); do cp out/$$name/$$file src/transformers_ccm/adapters/$$name/; done; \
-	done
+		--steps 200 --batch-size 8 --output-dir $(SHIPPED)/smollm2-merge
+	rm -rf $(SHIPPED)/*/checkpoint-*
 
 results: install
 	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --samples 48 \

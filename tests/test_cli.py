@@ -33,18 +33,16 @@ def tiny_model(tmp_path_factory):
     return str(folder)
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model, tmp_path_factory):
-    output = tmp_path_factory.mktemp("adapter")
+def train(model, output, steps, *extra):
     main(
         [
             "train",
             "--model",
-            tiny_model,
+            model,
             "--task",
             "mixture",
             "--steps",
-            "3",
+            str(steps),
             "--batch-size",
             "2",
             "--eval-every",
@@ -53,8 +51,15 @@ def adapter(tiny_model, tmp_path_factory):
             "2",
             "--output-dir",
             str(output),
+            *extra,
         ]
     )
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model, tmp_path_factory):
+    output = tmp_path_factory.mktemp("adapter")
+    train(tiny_model, output, 3)
     return str(output)
 
 
@@ -62,30 +67,14 @@ def test_train_writes_an_adapter_with_checkpoints(adapter):
     config = json.loads(Path(adapter, "ccm_config.json").read_text())
     assert config["update"] == "concat" and "mixture" in config["trained_on"]
     assert Path(adapter, "README.md").read_text().count("built-in task 'mixture'") == 1
+    assert {p.name for p in Path(adapter).glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-3"}
 
 
 def test_train_resumes(tiny_model, adapter, capsys):
-    main(
-        [
-            "train",
-            "--model",
-            tiny_model,
-            "--task",
-            "mixture",
-            "--steps",
-            "4",
-            "--batch-size",
-            "2",
-            "--eval-every",
-            "2",
-            "--eval-samples",
-            "2",
-            "--output-dir",
-            adapter,
-            "--resume",
-        ]
-    )
-    assert "adapter saved" in capsys.readouterr().out
+    train(tiny_model, adapter, 4, "--resume")
+    out = capsys.readouterr().out
+    assert "adapter saved" in out
+    assert (Path(adapter) / "checkpoint-4").is_dir()
 
 
 def test_train_on_a_jsonl_file(tiny_model, tmp_path):
@@ -139,6 +128,7 @@ def test_eval_writes_json_and_plot(tiny_model, adapter, tmp_path, capsys):
     }
     assert {row["task"] for row in report["summary"]} == {"icl", "dialogue"}
     assert (tmp_path / "eval.png").stat().st_size > 10_000
+    assert "| icl (t=2) | ccm-concat | accuracy |" in (tmp_path / "eval.md").read_text()
     assert "gain recovered" in capsys.readouterr().out
 
 

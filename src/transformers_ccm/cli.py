@@ -99,7 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    from transformers_ccm.evaluation import plot, score_samples, summarize
+    from transformers_ccm.evaluation import markdown, plot, score_samples, summarize
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
 
     models = {}
@@ -128,6 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     summary = summarize(results)
     (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
     plot(results, str(output / "eval.png"))
+    (output / "eval.md").write_text(markdown(results, summary))
     print("\nat the largest time step:")
     for row in summary:
         print(
@@ -135,7 +136,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"{row['full_context']:.3f}  ccm {row['ccm']:.3f}  gain recovered {row['gain_recovered']:.0%}  "
             f"memory {row['context_memory_ratio']:.3f} of full context"
         )
-    print(f"wrote {output / 'eval.json'} and {output / 'eval.png'}")
+    print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
 
 
 def _print_turn(report: TurnReport) -> None:

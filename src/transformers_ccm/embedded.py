@@ -48,31 +48,29 @@ def resolve_name(name_or_path: str | os.PathLike[str]) -> str:
     return EMBEDDED_MODEL_ID if os.fspath(name_or_path) == DEFAULT_MODEL else os.fspath(name_or_path)
 
 
-def load_base_model(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained`, with "default" (or the SmolLM2 Hub id) read from the wheel."""
+def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """`auto_class.from_pretrained`, reading the embedded GGUF file for the default model."""
     folder = _embedded(name_or_path)
     if folder is None:
-        return AutoModelForCausalLM.from_pretrained(os.fspath(name_or_path), **kwargs)
+        return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
-    # Adapters record the model by its Hub id, not by this machine's site-packages folder.
-    model.name_or_path = model.config._name_or_path = EMBEDDED_MODEL_ID
+    return auto_class.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
+
+
+def load_base_model(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained`, with "default" (or the SmolLM2 Hub id) read from the wheel."""
+    model = _load(AutoModelForCausalLM, name_or_path, **kwargs)
+    if _embedded(name_or_path) is not None:
+        # Adapters record the model by its Hub id, not by this machine's site-packages folder.
+        model.name_or_path = model.config._name_or_path = EMBEDDED_MODEL_ID
     return model
 
 
 def load_base_config(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PretrainedConfig:
     """The model config alone (no weights), resolved like `load_base_model`."""
-    folder = _embedded(name_or_path)
-    if folder is None:
-        return AutoConfig.from_pretrained(os.fspath(name_or_path), **kwargs)
-    kwargs.pop("revision", None)
-    return AutoConfig.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
+    return _load(AutoConfig, name_or_path, **kwargs)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedTokenizerBase:
     """The tokenizer (with its chat template), resolved like `load_base_model`."""
-    folder = _embedded(name_or_path)
-    if folder is None:
-        return AutoTokenizer.from_pretrained(os.fspath(name_or_path), **kwargs)
-    kwargs.pop("revision", None)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
+    return _load(AutoTokenizer, name_or_path, **kwargs)

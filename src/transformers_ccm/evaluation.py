@@ -214,3 +214,28 @@ def plot(results: Sequence[dict[str, object]], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def markdown(results: Sequence[dict[str, object]], summary: Sequence[dict[str, object]]) -> str:
+    """The summary at the largest time step, then every time step, as Markdown tables."""
+    lines = [
+        "| task | method | metric | no context | full context | CCM | gain recovered | context memory vs full |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in summary:
+        lines.append(
+            f"| {row['task']} (t={row['steps']}) | {row['method']} | {row['metric']} | {row['no_context']:.3f} | "
+            f"{row['full_context']:.3f} | {row['ccm']:.3f} | {row['gain_recovered']:.0%} | "
+            f"{row['context_memory_ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        "| task | t | method | metric | value | context KV (tokens or slots) | peak KV (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['task']} | {r['steps']} | {r['method']} | {r['metric']} | {float(r['value']):.3f} | "
+            f"{float(r['context_kv_tokens']):.1f} | {int(r['peak_kv_bytes']) / 2**20:.2f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -33,6 +33,8 @@ MODEL_CARD_NAME = "README.md"
 ADAPTER_FILES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, CONFIG_NAME, MODEL_CARD_NAME)
 PEFT_PREFIX = "base_model.model."
 COMP_EMBEDDINGS_KEY = "ccm.comp_embeddings"
+SHIPPED_PREFIX = "ccm:"
+SHIPPED_FOLDER = Path(__file__).parent / "adapters"
 
 _CARD_TEMPLATE = """---
 {{ card_data }}
@@ -42,8 +44,8 @@ _CARD_TEMPLATE = """---
 
 A [Compressed Context Memory](https://arxiv.org/abs/2312.03414) adapter for
 [{{ base_model }}](https://huggingface.co/{{ base_model }}): a conditional LoRA (rank {{ r }}) and
-{{ num_comp_tokens }} `<COMP>` embeddings that compress each new context into {{ num_comp_tokens }} key/value
-slots per layer, updated by **{{ update }}**.
+{{ num_comp_tokens }} learned `<COMP>` embedding(s) that compress each new context into {{ num_comp_tokens }}
+key/value slot(s) per layer, updated by **{{ update }}**.
 
 - Trained on: {{ trained_on }}
 - Base model revision: {{ revision }}
@@ -64,7 +66,8 @@ model.compress(cache)   # fold the turn into memory
 
 
 def save_adapter(model: CCMForCausalLM, save_directory: str | os.PathLike[str], repo_id: str | None = None) -> None:
-    """Write the adapter files of `model` into `save_directory`."""
+    """Write the adapter files of `model` into `save_directory`; the model card tells to load it by `repo_id`
+    (default: `ccm:<name>` inside the package's adapters folder, else the folder's path)."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -77,7 +80,10 @@ def save_adapter(model: CCMForCausalLM, save_directory: str | os.PathLike[str], 
     tensors[COMP_EMBEDDINGS_KEY] = model.comp_embeddings.detach().contiguous().cpu()
     save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     config.save_pretrained(folder)
-    _model_card(config, repo_id or folder.name).save(folder / MODEL_CARD_NAME)
+    if repo_id is None:
+        shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
+        repo_id = SHIPPED_PREFIX + folder.name if shipped else str(folder)
+    _model_card(config, repo_id).save(folder / MODEL_CARD_NAME)
 
 
 def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
@@ -93,7 +99,7 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     return ModelCard.from_template(
         card_data,
         template_str=_CARD_TEMPLATE,
-        title=f"{repo_id}: CCM-{config.update} adapter",
+        title=f"{Path(repo_id).name.removeprefix(SHIPPED_PREFIX)}: CCM-{config.update} adapter",
         base_model=base,
         r=config.r,
         num_comp_tokens=config.num_comp_tokens,
@@ -103,10 +109,6 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
         version=__version__,
         repo_id=repo_id,
     )
-
-
-SHIPPED_PREFIX = "ccm:"
-SHIPPED_FOLDER = Path(__file__).parent / "adapters"
 
 
 def shipped_adapters() -> list[str]:
