@@ -187,8 +187,9 @@ class CompressedMemoryCache(Cache):
             columns = keep.any(dim=0)
             for layer in self.layers:
                 memory_keys, memory_values = layer.memory()
-                keys = torch.cat([memory_keys, layer.keys[:, :, -n:]], dim=2)[:, :, columns.to(layer.keys.device)]
-                values = torch.cat([memory_values, layer.values[:, :, -n:]], dim=2)[:, :, columns.to(layer.keys.device)]
+                kept = columns.to(layer.keys.device)
+                keys = torch.cat([memory_keys, layer.keys[:, :, -n:]], dim=2)[:, :, kept]
+                values = torch.cat([memory_values, layer.values[:, :, -n:]], dim=2)[:, :, kept]
                 layer.set_memory(keys, values)
             self.memory_mask = keep[:, columns]
         else:

@@ -90,7 +90,7 @@ def score_samples(
         inputs = [_ids(tokenizer, s.input) for s in batch]
         if metric == "accuracy":
             candidates = [[_ids(tokenizer, c) for c in s.choices or ()] for s in batch]
-            answers = [[_ids(tokenizer, c) for c in s.choices or ()].index(_ids(tokenizer, s.output)) for s in batch]
+            answers = [options.index(_ids(tokenizer, s.output)) for options, s in zip(candidates, batch, strict=True)]
         else:
             candidates = [[_ids(tokenizer, s.output)] for s in batch]
         cache = None
@@ -104,11 +104,11 @@ def score_samples(
                 )
         memory = [int(cache.memory_mask[row].sum()) if cache is not None else 0 for row in range(len(batch))]
         scores: list[list[float]] = [[] for _ in batch]
+        prefixes = [
+            ([t for context in contexts[row] for t in context] if method == "full_context" else []) + inputs[row]
+            for row in range(len(batch))
+        ]
         for choice in range(max(len(c) for c in candidates)):
-            prefixes = [
-                ([t for context in contexts[row] for t in context] if method == "full_context" else []) + inputs[row]
-                for row in range(len(batch))
-            ]
             rows = [prefixes[row] + candidates[row][choice] for row in range(len(batch))]
             ids, mask = _right_pad(rows, pad)
             if method == "ccm":
