@@ -165,3 +165,35 @@ def test_cli_errors_are_clear(tiny_model, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", tiny_model, "--task", "qa", "--steps", "1", "--output-dir", "/tmp/none"])
     assert exit_info.value.code == 2 and "Unknown task 'qa'" in capsys.readouterr().err
+
+
+TEXT_TRAINING = "--task text --steps 2 --batch-size 2 --eval-every 2 --eval-samples 2"
+STREAM_EVAL = "--tokens 300 --window-tokens 40 --sink-tokens 2 --compress-chunk 16 --max-memory-tokens 4 --bucket 100"
+
+
+def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
+    main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "stream"), *TEXT_TRAINING.split()])
+    assert "built-in task 'text'" in json.loads((tmp_path / "stream" / "ccm_config.json").read_text())["trained_on"]
+    adapter = str(tmp_path / "stream")
+    main(
+        [
+            "stream-eval",
+            "--model",
+            tiny_model,
+            "--adapter",
+            adapter,
+            "--output-dir",
+            str(tmp_path / "results"),
+            *STREAM_EVAL.split(),
+        ]
+    )
+    report = json.loads((tmp_path / "results" / "stream_eval.json").read_text())
+    assert report["tokens"] == 300 and set(report["methods"]) == {"ccm-concat", "streaming_llm"}
+    for result in report["methods"].values():
+        assert result["max_kv_length"] == 46 and result["peak_kv_held"] <= 46
+        assert max(result["kv_held"]) <= 46 and len(result["token_nll"]) == 299
+        assert len(result["bucket_perplexity"]) == 3 and result["perplexity"] > 1
+    assert report["methods"]["streaming_llm"]["streaming"]["window_tokens"] == 44
+    assert report["methods"]["streaming_llm"]["peak_kv_held"] == 46
+    assert (tmp_path / "results" / "stream_eval.png").stat().st_size > 10_000
+    assert "streaming_llm" in capsys.readouterr().out

@@ -34,3 +34,10 @@ def test_sharing_round_trip(capsys):
     assert (
         capsys.readouterr().out.strip().splitlines()[-1] == "answer before saving: 52, after loading: 52 (expected 52)"
     )
+
+
+def test_streaming_stays_within_the_budget(capsys):
+    runpy.run_path(str(EXAMPLES / "streaming.py"), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert lines[0].startswith("CCM-concat   budget 160 positions: held at most 160 over 2010 tokens (8 memory slots")
+    assert lines[1].startswith("StreamingLLM budget 160 positions: held at most 160 over 2010 tokens (0 memory slots")

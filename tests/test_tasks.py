@@ -109,3 +109,33 @@ def test_jsonl_errors(tmp_path, text, message):
 def test_unknown_task():
     with pytest.raises(ValueError, match="Unknown task 'qa'"):
         make_samples("qa", "train", 1)
+
+
+def test_long_text_splits_topics_by_identity():
+    from pydoc_data.topics import topics
+
+    from transformers_ccm.tasks.text import long_text
+
+    train, test = long_text("train"), long_text("test")
+    assert len(test) > 50_000 and len(train) > 3 * len(test)
+    for name, text in topics.items():
+        assert (text.strip() in test) != (text.strip() in train)
+        if in_test_split(name):
+            assert text.strip() in test
+
+
+def test_stream_samples_are_consecutive_text():
+    from transformers_ccm.embedded import load_tokenizer
+    from transformers_ccm.tasks.text import long_text, stream_samples
+
+    tokenizer = load_tokenizer("default")
+    samples = stream_samples(tokenizer, "test", 6, seed=1)
+    assert samples == stream_samples(tokenizer, "test", 6, seed=1) != stream_samples(tokenizer, "test", 6, seed=2)
+    ids = tokenizer(long_text("test"), add_special_tokens=False)["input_ids"]
+    for sample in samples:
+        assert 1 <= len(sample.contexts) <= 4 and all(len(chunk) == 64 for chunk in sample.contexts)
+        assert 1 <= len(sample.input) <= 84 and len(sample.output) == 64
+        joined = [*(t for chunk in sample.contexts for t in chunk), *sample.input, *sample.output]
+        start = ids.index(joined[0])
+        while ids[start : start + len(joined)] != joined:
+            start = ids.index(joined[0], start + 1)

@@ -6,6 +6,7 @@ from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, OnlineSample
 from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.streaming import StreamingConfig
 
 __all__ = [
     "CCMConfig",
@@ -13,5 +14,6 @@ __all__ = [
     "CCMForCausalLM",
     "CompressedMemoryCache",
     "OnlineSample",
+    "StreamingConfig",
     "__version__",
 ]

@@ -9,6 +9,9 @@ the turn by its compression `h(t)` according to the update rule.
 Per-row state (`(batch, ...)` tensors) lets users at different time steps share a batch: `memory_mask`
 marks the slots a row owns, `turn_mask` the real (non-padding) turn tokens, `next_position` the logical
 position of the row's next token, `steps` the number of contexts compressed so far.
+
+A streaming cache (`model.new_cache(streaming=StreamingConfig(...))`, see `streaming.py`) holds
+`[sink | memory | window]` instead, the same lengths in every row, and compresses or evicts by itself.
 """
 
 from __future__ import annotations
@@ -16,21 +19,24 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import update_coefficient
+from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
 if TYPE_CHECKING:
     from transformers_ccm.modeling import CCMForCausalLM
 
 MEMORY_FORMAT = "transformers-ccm-memory"
 MEMORY_FORMAT_VERSION = "1"
+_STREAM_STATE = ("sink_length", "window_length", "turn_tokens")
 _ROW_STATE = ("memory_mask", "turn_mask", "next_position", "steps", "pending_ids", "pending_mask")
 
 
@@ -67,10 +73,19 @@ class CompressedMemoryCache(Cache):
     """Compressed context memory for a batch of users, usable as `past_key_values` of a `CCMForCausalLM`.
 
     Create one with `model.new_cache(batch_size)`; fill it with `model.compress(...)`; generate with
-    `model.generate(..., past_key_values=cache)`.
+    `model.generate(..., past_key_values=cache)`. With `streaming` (and the model's `rotation`), it is a
+    bounded stream instead: every forward adds to the window, compressing or evicting what overflows.
     """
 
-    def __init__(self, config: CCMConfig, signature: dict[str, Any], num_layers: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        config: CCMConfig,
+        signature: dict[str, Any],
+        num_layers: int,
+        batch_size: int,
+        streaming: StreamingConfig | None = None,
+        rotation: KeyRotation | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
         super().__init__(layers=[CompressedMemoryLayer() for _ in range(num_layers)])
@@ -83,6 +98,14 @@ class CompressedMemoryCache(Cache):
         # A token generate() produced last has no keys/values yet; folding the turn runs it.
         self.pending_ids = torch.zeros(batch_size, 0, dtype=torch.long)
         self.pending_mask = torch.zeros(batch_size, 0, dtype=torch.bool)
+        if (streaming is None) != (rotation is None):
+            raise ValueError("A streaming cache needs both a StreamingConfig and the model's KeyRotation.")
+        self.streaming = streaming
+        self.rotation = rotation
+        self.sink_length = 0
+        self.window_length = 0
+        # Tokens fed since the stream or the current generate() began: what generate() must see as processed.
+        self.turn_tokens = 0
 
     # ----- sizes -------------------------------------------------------------------------------------------
     @property
@@ -106,17 +129,25 @@ class CompressedMemoryCache(Cache):
 
     @property
     def kv_length(self) -> int:
-        """Physical key/value length of every layer: memory plus turn."""
+        """Physical key/value length of every layer: memory plus turn (streaming: sink, memory and window)."""
+        if self.streaming is not None:
+            return self.sink_length + self.memory_length + self.window_length
         return self.memory_length + self.turn_length
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.streaming is not None:
+            return self.turn_tokens
+        return super().get_seq_length(layer_idx)
+
     def memory_bytes(self) -> int:
-        """Bytes of the memory keys and values over all layers: the per-user state between turns."""
-        return sum(
-            tensor.numel() * tensor.element_size()
-            for layer in self.layers
-            if layer.is_initialized
-            for tensor in layer.memory()
-        )
+        """Bytes of the per-user state between turns over all layers: the memory keys and values (streaming:
+        everything held)."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self._held_tensors())
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        if self.streaming is not None:
+            return [tensor for layer in self.layers if layer.is_initialized for tensor in (layer.keys, layer.values)]
+        return [tensor for layer in self.layers if layer.is_initialized for tensor in layer.memory()]
 
     # ----- the online forward ------------------------------------------------------------------------------
     def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +164,8 @@ class CompressedMemoryCache(Cache):
         device = new_mask.device
         self._to(device)
         new = new_mask.shape[1]
+        if self.streaming is not None:
+            return self._prepare_stream_forward(new_mask)
         position_ids = (self.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
         # A padding query attends to itself too, so that no softmax row is empty.
@@ -142,6 +175,132 @@ class CompressedMemoryCache(Cache):
         self.turn_mask = torch.cat([self.turn_mask, new_mask], dim=1)
         self.next_position = self.next_position + new_mask.sum(-1)
         return position_ids, mask
+
+    # ----- streaming ----------------------------------------------------------------------------------------
+    def _prepare_stream_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens after everything held, at the next positions; they attend to all of it."""
+        streaming = self._streaming()
+        self.check_unpadded(new_mask)
+        new = new_mask.shape[1]
+        growth = self._window_growth(new)
+        if self.window_length + growth > streaming.window_tokens:
+            raise ValueError(
+                f"{new} new tokens do not fit the streaming window ({self.window_length} of "
+                f"{streaming.window_tokens} held); run the base model through CCMForCausalLM, which makes room first."
+            )
+        held = self.kv_length
+        position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
+        mask = _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
+        self.sink_length += new - growth
+        self.window_length += growth
+        self.turn_tokens += new
+        return position_ids, mask
+
+    def check_unpadded(self, mask: torch.Tensor) -> None:
+        """Raise if an attention mask of a streaming input has padding."""
+        if not mask.bool().all():
+            raise ValueError(
+                "A streaming cache takes unpadded input: every row is a stream of the same length. Feed rows of "
+                "different lengths as separate streams."
+            )
+
+    def _streaming(self) -> StreamingConfig:
+        if self.streaming is None:
+            raise ValueError("This is not a streaming cache; create one with model.new_cache(streaming=...).")
+        return self.streaming
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """The most new tokens one forward of a streaming cache takes (CCMForCausalLM splits longer inputs)."""
+        return self._streaming().max_forward_tokens
+
+    def _window_growth(self, new: int) -> int:
+        """How many of `new` tokens go to the window (the others fill the sink)."""
+        return new - min(new, self._streaming().sink_tokens - self.sink_length)
+
+    def start_turn(self) -> None:
+        """Count tokens from zero again (a new generate() call on a stream)."""
+        self.turn_tokens = 0
+
+    def needs_compression(self, new: int) -> bool:
+        """Whether the oldest chunk of the window must be compressed before `new` tokens fit."""
+        streaming = self._streaming()
+        return (
+            streaming.compress
+            and self.window_length + self._window_growth(new) > streaming.window_tokens
+            and self.window_length >= streaming.compress_chunk
+        )
+
+    def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
+
+        Returns:
+            a `DynamicCache` holding those keys/values (a copy), the `<COMP>` positions `(batch, n_comp)`
+            (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)` bool.
+        """
+        length = self.sink_length + self.memory_length + self._streaming().compress_chunk
+        prefix = DynamicCache(
+            ddp_cache_data=[(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.layers]
+        )
+        n = self.config.num_comp_tokens
+        device = self.layers[0].keys.device
+        position_ids = torch.arange(length, length + n, device=device)[None].expand(self.batch_size, -1)
+        return prefix, position_ids, _attend_held_then_causal(self.batch_size, length, n, device)
+
+    def fold_chunk(self, prefix: DynamicCache) -> None:
+        """Put the `<COMP>` keys/values just appended to `prefix` into memory, drop the oldest chunk of the
+        window, evict concat memory beyond its cap, and move everything to positions `0..n-1`."""
+        streaming, rotation = self._streaming(), self.rotation
+        assert rotation is not None
+        n, sink, memory, chunk = (
+            self.config.num_comp_tokens,
+            self.sink_length,
+            self.memory_length,
+            streaming.compress_chunk,
+        )
+        comp_start = sink + memory + chunk
+        self.steps = self.steps + 1
+        concat = self.config.update == "concat"
+        evicted = max(0, memory + n - streaming.max_memory_tokens) if concat else 0
+        for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
+            comp_keys, comp_values = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
+            keys, values = layer.keys, layer.values
+            sink_keys, memory_keys, rest_keys = (
+                keys[:, :, :sink],
+                keys[:, :, sink : sink + memory],
+                keys[:, :, comp_start:],
+            )
+            memory_values, rest_values = values[:, :, sink : sink + memory], values[:, :, comp_start:]
+            if concat:
+                key_pieces = [(sink_keys, 0), (memory_keys[:, :, evicted:], sink + evicted), (comp_keys, comp_start)]
+                value_pieces = [memory_values[:, :, evicted:], comp_values]
+            else:
+                moved = rotation.shift(index, comp_keys, torch.full((n,), sink - comp_start))
+                if memory:
+                    weight = update_coefficient(int(self.steps[0]), self.config)
+                    moved = (1 - weight) * memory_keys + weight * moved
+                    comp_values = (1 - weight) * memory_values + weight * comp_values
+                key_pieces, value_pieces = [(sink_keys, 0), (moved, sink)], [comp_values]
+            layer.keys = rotation.relocate(index, [*key_pieces, (rest_keys, comp_start)])
+            layer.values = torch.cat([values[:, :, :sink], *value_pieces, rest_values], dim=2)
+        slots = memory + n - evicted if concat else n
+        self.memory_mask = torch.ones(self.batch_size, slots, dtype=torch.bool, device=self.memory_mask.device)
+        self.window_length -= chunk
+
+    def evict(self, new: int) -> None:
+        """Drop the oldest window tokens so that `new` more fit (StreamingLLM), moving the rest back."""
+        streaming, rotation = self._streaming(), self.rotation
+        assert rotation is not None
+        excess = self.window_length + self._window_growth(new) - streaming.window_tokens
+        if excess <= 0:
+            return
+        kept = self.sink_length + self.memory_length
+        for index, layer in enumerate(self.layers):
+            layer.keys = rotation.relocate(
+                index, [(layer.keys[:, :, :kept], 0), (layer.keys[:, :, kept + excess :], kept + excess)]
+            )
+            layer.values = torch.cat([layer.values[:, :, :kept], layer.values[:, :, kept + excess :]], dim=2)
+        self.window_length -= excess
 
     def end_generation(self, generated: torch.Tensor, eos_token_ids: list[int]) -> None:
         """Record the tokens `generate()` produced: those after a row's first EOS are padding, and the last
@@ -245,9 +404,13 @@ class CompressedMemoryCache(Cache):
 
     def copy(self) -> CompressedMemoryCache:
         """A cache with the same content whose tensors can be changed independently."""
-        clone = CompressedMemoryCache(self.config, self.signature, len(self.layers), self.batch_size)
+        clone = CompressedMemoryCache(
+            self.config, self.signature, len(self.layers), self.batch_size, self.streaming, self.rotation
+        )
         for name in _ROW_STATE:
             setattr(clone, name, getattr(self, name).clone())
+        for name in _STREAM_STATE:
+            setattr(clone, name, getattr(self, name))
         for source, target in zip(self.layers, clone.layers, strict=True):
             if source.is_initialized:
                 target.lazy_initialization(source.keys, source.values)
@@ -294,7 +457,7 @@ class CompressedMemoryCache(Cache):
         tensors = {name: getattr(self, name).contiguous().cpu() for name in ("memory_mask", "next_position", "steps")}
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
-                keys, values = layer.memory()
+                keys, values = (layer.keys, layer.values) if self.streaming is not None else layer.memory()
                 tensors[f"layers.{index}.keys"] = keys.contiguous().cpu()
                 tensors[f"layers.{index}.values"] = values.contiguous().cpu()
         metadata = {
@@ -302,6 +465,9 @@ class CompressedMemoryCache(Cache):
             "format_version": MEMORY_FORMAT_VERSION,
             "signature": json.dumps(self.signature, sort_keys=True),
         }
+        if self.streaming is not None:
+            state = {name: getattr(self, name) for name in _STREAM_STATE}
+            metadata["streaming"] = json.dumps({"config": asdict(self.streaming), "state": state})
         save_file(tensors, os.fspath(path), metadata=metadata)
 
     @classmethod
@@ -326,15 +492,32 @@ class CompressedMemoryCache(Cache):
         differences = _differences(json.loads(metadata["signature"]), model.memory_signature(), "file")
         if differences:
             raise ValueError(f"{path} was made by another model or adapter ({differences}); load it with that model.")
-        cache = model.new_cache(batch_size=tensors["next_position"].shape[0])
+        streaming = json.loads(metadata.get("streaming", "null"))
+        cache = model.new_cache(
+            batch_size=tensors["next_position"].shape[0],
+            streaming=StreamingConfig(**streaming["config"]) if streaming else None,
+        )
         for name in ("memory_mask", "next_position", "steps"):
             setattr(cache, name, tensors[name].to(model.device))
+        for name, value in (streaming["state"] if streaming else {}).items():
+            setattr(cache, name, value)
         for index, layer in enumerate(cache.layers):
             if f"layers.{index}.keys" in tensors:
-                layer.set_memory(
-                    tensors[f"layers.{index}.keys"].to(model.device), tensors[f"layers.{index}.values"].to(model.device)
-                )
+                keys = tensors[f"layers.{index}.keys"].to(model.device)
+                values = tensors[f"layers.{index}.values"].to(model.device)
+                if streaming:
+                    layer.lazy_initialization(keys, values)
+                    layer.keys, layer.values = keys, values
+                else:
+                    layer.set_memory(keys, values)
         return cache
+
+
+def _attend_held_then_causal(batch_size: int, held: int, new: int, device: torch.device) -> torch.Tensor:
+    """`(batch, 1, new, held + new)` bool: every new token sees all `held` positions and the new ones up to itself."""
+    causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(new, held, dtype=torch.bool, device=device), causal], dim=1)
+    return mask[None, None].expand(batch_size, 1, new, held + new)
 
 
 def _differences(found: dict[str, Any], expected: dict[str, Any], source: str) -> str:

@@ -1,4 +1,4 @@
-"""The `ccm` command: train, eval, chat and demo."""
+"""The `ccm` command: train, eval, stream-eval, chat and demo."""
 
 from __future__ import annotations
 
@@ -30,11 +30,16 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_samples(task: str, split: str, count: int, seed: int) -> list[OnlineSample]:
+def _load_samples(
+    task: str, split: str, count: int, seed: int, tokenizer: PreTrainedTokenizerBase
+) -> list[OnlineSample]:
     from transformers_ccm.tasks import load_jsonl, make_samples
+    from transformers_ccm.tasks.text import stream_samples
 
     if task.endswith(".jsonl") or os.path.exists(task):
         return load_jsonl(task)
+    if task == "text":
+        return stream_samples(tokenizer, split, count, seed=seed)
     return make_samples(task, split, count, seed=seed)
 
 
@@ -70,12 +75,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     train_samples = _load_samples(
-        args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed
+        args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
     )
     eval_samples = (
-        _load_samples(args.eval_task, "test", args.eval_samples, args.seed)
+        _load_samples(args.eval_task, "test", args.eval_samples, args.seed, tokenizer)
         if args.eval_task
-        else _load_samples(args.task, "test", args.eval_samples, args.seed)
+        else _load_samples(args.task, "test", args.eval_samples, args.seed, tokenizer)
         if not os.path.exists(args.task)
         else None
     )
@@ -137,6 +142,51 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"memory {row['context_memory_ratio']:.3f} of full context"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
+
+
+def cmd_stream_eval(args: argparse.Namespace) -> None:
+    import json
+    import platform
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torch
+
+    from transformers_ccm.stream_evaluation import plot_stream, stream_nll
+    from transformers_ccm.streaming import StreamingConfig
+    from transformers_ccm.tasks.text import long_text
+
+    model, tokenizer = _load_ccm(args.adapter, args.model)
+    ids = torch.tensor(tokenizer(long_text("test"), add_special_tokens=False)["input_ids"][: args.tokens])
+    ccm = StreamingConfig(
+        window_tokens=args.window_tokens,
+        sink_tokens=args.sink_tokens,
+        compress_chunk=args.compress_chunk,
+        max_memory_tokens=args.max_memory_tokens,
+    )
+    methods = {f"ccm-{model.config.update}": ccm, "streaming_llm": ccm.same_size_baseline(model.config)}
+    results = []
+    for method, streaming in methods.items():
+        result = stream_nll(model, ids, streaming, piece=args.piece, method=method)
+        results.append(result)
+        print(
+            f"{method:14s} KV {result.max_kv_length} (peak held {max(result.kv_held)})  perplexity "
+            f"{result.perplexity():.3f}  after the first {result.max_kv_length} tokens "
+            f"{result.perplexity(result.max_kv_length):.3f}",
+            flush=True,
+        )
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    report = {
+        "text": f"held-out Python reference topics (pydoc_data, Python {platform.python_version()})",
+        "tokens": int(ids.shape[0]),
+        "adapter": args.adapter,
+        "streaming": asdict(ccm),
+        "methods": {result.method: result.to_dict(args.bucket) for result in results},
+    }
+    (output / "stream_eval.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_stream(results, args.bucket, str(output / "stream_eval.png"))
+    print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
 
 
 def _print_turn(report: TurnReport) -> None:
@@ -201,7 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a compression adapter")
     _add_model(train)
-    train.add_argument("--task", default="mixture", help="icl | personalization | dialogue | mixture, or a JSONL file")
+    train.add_argument(
+        "--task",
+        default="mixture",
+        help="icl | personalization | dialogue | mixture | text (long text, for streaming), or a JSONL file",
+    )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
     train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
     train.add_argument("--num-comp-tokens", type=int, default=2)
@@ -229,6 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--output-dir", default="docs/results")
     evaluate.set_defaults(handler=cmd_eval)
+
+    stream = commands.add_parser("stream-eval", help="perplexity of a long stream: CCM vs StreamingLLM, same KV")
+    _add_model(stream)
+    stream.add_argument("--adapter", default="ccm:smollm2-stream")
+    stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole held-out text)")
+    stream.add_argument("--piece", type=int, default=16, help="tokens fed per forward")
+    stream.add_argument("--window-tokens", type=int, default=148)
+    stream.add_argument("--sink-tokens", type=int, default=4)
+    stream.add_argument("--compress-chunk", type=int, default=64)
+    stream.add_argument("--max-memory-tokens", type=int, default=8)
+    stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
+    stream.add_argument("--output-dir", default="docs/results/streaming")
+    stream.set_defaults(handler=cmd_stream_eval)
 
     for name, handler, text in (("chat", cmd_chat, "talk with memory"), ("demo", cmd_demo, "a scripted chat")):
         sub = commands.add_parser(name, help=text)

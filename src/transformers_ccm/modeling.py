@@ -35,6 +35,7 @@ from transformers_ccm.hub import (
 )
 from transformers_ccm.lora import LoRAGate, attention_modules, inject_lora, lora_layers
 from transformers_ccm.masks import block_attention, comp_ranks
+from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class CCMForCausalLM(nn.Module):
             past_key_values: online only: the memory to attend to; the new tokens join its current turn.
             attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
         """
+        if isinstance(past_key_values, CompressedMemoryCache) and past_key_values.streaming is not None:
+            return self._stream_forward(past_key_values, input_ids, labels, attention_mask, **kwargs)
         if past_key_values is not None:
             return self.base_model(
                 input_ids=input_ids,
@@ -183,10 +186,20 @@ class CCMForCausalLM(nn.Module):
             )
 
     # ----- online inference --------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int = 1) -> CompressedMemoryCache:
-        """An empty memory for `batch_size` users."""
+    def new_cache(self, batch_size: int = 1, streaming: StreamingConfig | None = None) -> CompressedMemoryCache:
+        """An empty memory for `batch_size` users, or with `streaming` an empty bounded stream per row."""
+        rotation = None
+        if streaming is not None:
+            text_config = self.base_model.config.get_text_config(decoder=True)
+            streaming.validate(self.config, getattr(text_config, "max_position_embeddings", None))
+            rotation = KeyRotation.of_model(self.base_model)
         return CompressedMemoryCache(
-            self.config, self.memory_signature(), self.base_model.config.num_hidden_layers, batch_size
+            self.config,
+            self.memory_signature(),
+            self.base_model.config.num_hidden_layers,
+            batch_size,
+            streaming=streaming,
+            rotation=rotation,
         )
 
     @torch.no_grad()
@@ -207,6 +220,11 @@ class CCMForCausalLM(nn.Module):
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
         cache.check_model(self)
+        if cache.streaming is not None:
+            raise ValueError(
+                "A streaming cache compresses by itself when its window overflows; feed the text with model(...) "
+                "or model.generate(...) instead of compress()."
+            )
         ids, mask = cache.pending_ids, cache.pending_mask
         if context_ids is not None:
             context_ids = torch.as_tensor(context_ids, device=ids.device)
@@ -263,7 +281,9 @@ class CCMForCausalLM(nn.Module):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
         cache.check_model(self)
         cache.check_batch_size(input_ids.shape[0], "input_ids")
-        if cache.has_unfolded_turn:
+        if cache.streaming is not None:
+            cache.start_turn()
+        elif cache.has_unfolded_turn:
             raise ValueError(
                 "The cache holds a turn that was not folded; call model.compress(cache) before the next generate()."
             )
@@ -284,6 +304,11 @@ class CCMForCausalLM(nn.Module):
         if num_sequences > 1:
             return output
         generated = sequences[:, input_ids.shape[1] :]
+        if cache.streaming is not None:  # the stream holds every token, the last generated one included
+            self.base_model(
+                input_ids=sequences if expand > 1 else generated[:, -1:], past_key_values=cache, logits_to_keep=1
+            )
+            return output
         if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
             turn = torch.cat([input_ids, generated[:, :-1]], dim=1)
             self.base_model(
@@ -307,10 +332,16 @@ class CCMForCausalLM(nn.Module):
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         cache.check_model(self)
-        tokens = kwargs.get("input_ids")
-        tokens = tokens if tokens is not None else kwargs["inputs_embeds"]
-        new = tokens.shape[1]
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        tokens = kwargs[name]
         mask = kwargs.get("attention_mask")
+        if cache.streaming is not None:
+            if mask is not None:
+                cache.check_unpadded(mask)
+            tokens = kwargs[name] = self._stream_leading_pieces(cache, name, tokens)
+            self._make_room(cache, tokens.shape[1])
+            mask = None
+        new = tokens.shape[1]
         if mask is None:
             new_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
         elif mask.ndim == 2 and mask.shape[1] in (new, cache.turn_length + new):
@@ -323,6 +354,59 @@ class CCMForCausalLM(nn.Module):
         position_ids, attention = cache.prepare_forward(new_mask)
         kwargs.update(attention_mask=attention, position_ids=position_ids, use_cache=True)
         return args, kwargs
+
+    # ----- streaming ----------------------------------------------------------------------------------------
+    def _stream_forward(
+        self,
+        cache: CompressedMemoryCache,
+        input_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Feed a stream in pieces the window can take; logits `(batch, len, vocab)` of every token."""
+        if input_ids is None:
+            raise ValueError("A streaming forward takes input_ids.")
+        if attention_mask is not None:
+            cache.check_unpadded(attention_mask)
+        logits = [
+            self.base_model(input_ids=piece, past_key_values=cache, **kwargs).logits
+            for piece in input_ids.split(cache.max_forward_tokens, dim=1)
+        ]
+        output = CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
+        if labels is not None:
+            output.loss = self.base_model.loss_function(
+                logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
+            )
+        return output
+
+    def _stream_leading_pieces(self, cache: CompressedMemoryCache, name: str, tokens: torch.Tensor) -> torch.Tensor:
+        """Run all but the last piece of an input too long for one forward (a long prompt given to generate());
+        returns the last piece. `tokens`: `(batch, len)` ids or `(batch, len, hidden)` embeddings."""
+        if tokens.shape[1] <= cache.max_forward_tokens:
+            return tokens
+        pieces = tokens.split(cache.max_forward_tokens, dim=1)
+        for piece in pieces[:-1]:
+            self.base_model(**{name: piece}, past_key_values=cache, logits_to_keep=1)
+        return pieces[-1]
+
+    def _make_room(self, cache: CompressedMemoryCache, new: int) -> None:
+        """Compress (or, for StreamingLLM, evict) the oldest window tokens until `new` more fit."""
+        while cache.needs_compression(new):
+            prefix, position_ids, mask = cache.compression_prefix()
+            batch, n = position_ids.shape
+            comp = self.comp_embeddings[None].expand(batch, n, -1).to(self.dtype)
+            with self.lora_at(torch.ones(batch, n, dtype=torch.bool, device=self.device)):
+                self.base_model(
+                    inputs_embeds=comp,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    past_key_values=prefix,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            cache.fold_chunk(prefix)
+        cache.evict(new)
 
     def memory_signature(self, include_adapter: bool = True) -> dict[str, Any]:
         """What a compressed memory depends on: base model, shapes, update rule and (hashed) adapter weights."""

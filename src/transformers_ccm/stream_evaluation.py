@@ -1,0 +1,98 @@
+"""Perplexity of a long stream in bounded memory: CCM against StreamingLLM at the same KV size (Fig. 7)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.streaming import StreamingConfig
+
+
+@dataclass
+class StreamResult:
+    """One method over one stream: the loss of every predicted token and the KV held after every forward."""
+
+    method: str
+    streaming: StreamingConfig
+    max_kv_length: int
+    token_nll: list[float]  # -log p(x_{i+1} | stream up to i), for i = 0 .. len - 2
+    kv_held: list[int]  # positions held per layer after each forward (one forward per piece)
+    piece: int
+
+    def perplexity(self, start: int = 0) -> float:
+        """Perplexity of the tokens predicted from position `start` on."""
+        losses = self.token_nll[start:]
+        return math.exp(sum(losses) / len(losses))
+
+    def to_dict(self, bucket: int) -> dict[str, object]:
+        return {
+            **asdict(self),
+            "token_nll": [round(loss, 4) for loss in self.token_nll],
+            "perplexity": self.perplexity(),
+            "perplexity_after_budget": self.perplexity(self.max_kv_length),
+            "peak_kv_held": max(self.kv_held),
+            "bucket_perplexity": bucket_perplexity(self.token_nll, bucket),
+        }
+
+
+@torch.no_grad()
+def stream_nll(
+    model: CCMForCausalLM, ids: torch.Tensor, streaming: StreamingConfig, piece: int = 16, method: str = "ccm"
+) -> StreamResult:
+    """Feed `ids` `(len,)` through a fresh streaming cache `piece` tokens at a time and score every next token.
+
+    With `streaming.compress=False` this is StreamingLLM, scored with the adapter off: the base model's own.
+    """
+    if ids.ndim != 1 or ids.shape[0] < 2:
+        raise ValueError(f"ids must be one stream of at least 2 tokens, got shape {tuple(ids.shape)}.")
+    cache = model.new_cache(1, streaming=streaming)
+    ids = ids.to(model.device)
+    token_nll: list[float] = []
+    kv_held: list[int] = []
+    with model.adapter_disabled() if not streaming.compress else contextlib.nullcontext():
+        for start in range(0, ids.shape[0] - 1, piece):
+            tokens = ids[start : start + piece]
+            targets = ids[start + 1 : start + piece + 1]
+            logits = model(input_ids=tokens[None], past_key_values=cache).logits[0, : targets.shape[0]].float()
+            token_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="none").tolist()
+            kv_held.append(cache.kv_length)
+    return StreamResult(method, streaming, streaming.max_kv_length(model.config), token_nll, kv_held, piece)
+
+
+def bucket_perplexity(token_nll: Sequence[float], bucket: int) -> list[float]:
+    """Perplexity of consecutive buckets of `bucket` predicted tokens (the last one may be shorter)."""
+    return [
+        math.exp(sum(token_nll[i : i + bucket]) / len(token_nll[i : i + bucket]))
+        for i in range(0, len(token_nll), bucket)
+    ]
+
+
+def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None:
+    """Perplexity per bucket over the stream, and the KV held, per method (like the paper's Fig. 7)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.4), sharex=True)
+    for result in results:
+        buckets = bucket_perplexity(result.token_nll, bucket)
+        ends = [min((i + 1) * bucket, len(result.token_nll)) for i in range(len(buckets))]
+        label = f"{result.method} (KV {result.max_kv_length}): ppl {result.perplexity():.2f}"
+        top.plot(ends, buckets, marker=".", label=label)
+        fed = [min((i + 1) * result.piece, len(result.token_nll) + 1) for i in range(len(result.kv_held))]
+        bottom.plot(fed, result.kv_held, label=result.method)
+    top.set_ylabel(f"perplexity per {bucket} tokens")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("KV positions held per layer")
+    bottom.set_xlabel("tokens streamed")
+    for axis in (top, bottom):
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

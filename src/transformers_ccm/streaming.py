@@ -1,0 +1,146 @@
+"""Streaming: an endless input in bounded KV memory (attention sinks + sliding window + compression).
+
+A streaming `CompressedMemoryCache` holds `[sink | memory | window]` in every layer: the first
+`sink_tokens` tokens of the stream, the compressed memory, and the most recent tokens. When new tokens
+would overflow the window, its oldest `compress_chunk` tokens are compressed by the `<COMP>` tokens
+(which attend to sink, memory and that chunk) into memory and dropped; with `compress=False` they are
+just dropped, which is StreamingLLM. Positions are reassigned `0..n-1` inside the cache at every step,
+so cached keys of rotary models are re-rotated to their new positions (`KeyRotation`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import PreTrainedModel
+
+from transformers_ccm.config import CCMConfig
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """Sizes of a streaming cache. The KV held never exceeds `max_kv_length(ccm_config)`.
+
+    Args:
+        window_tokens: most recent tokens kept as they are (paper: 148 with 4 sink and 8 memory slots).
+        sink_tokens: first tokens of the stream kept forever (attention sinks; paper and StreamingLLM: 4).
+        compress_chunk: tokens compressed at once when the window overflows (paper: 64), into the adapter's
+            `num_comp_tokens` slots (paper: 2).
+        max_memory_tokens: cap on concat memory, whose oldest slots are evicted first (paper: 8). Merge and
+            EMA memory always holds `num_comp_tokens` slots.
+        compress: False drops the overflowing tokens instead (the StreamingLLM baseline; no `<COMP>` runs).
+    """
+
+    window_tokens: int = 148
+    sink_tokens: int = 4
+    compress_chunk: int = 64
+    max_memory_tokens: int = 8
+    compress: bool = True
+
+    def memory_slots(self, ccm_config: CCMConfig) -> int:
+        """Memory slots held once the memory is full."""
+        if not self.compress:
+            return 0
+        return self.max_memory_tokens if ccm_config.update == "concat" else ccm_config.num_comp_tokens
+
+    def max_kv_length(self, ccm_config: CCMConfig) -> int:
+        """The most positions a layer ever holds: sink + memory + window."""
+        return self.sink_tokens + self.memory_slots(ccm_config) + self.window_tokens
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """The most new tokens one forward may take; longer inputs are run in pieces of this size."""
+        return self.window_tokens - self.compress_chunk + 1 if self.compress else self.window_tokens
+
+    def same_size_baseline(self, ccm_config: CCMConfig) -> StreamingConfig:
+        """The StreamingLLM configuration (no compression) holding exactly as many positions as this one."""
+        return replace(self, compress=False, window_tokens=self.window_tokens + self.memory_slots(ccm_config))
+
+    def validate(self, ccm_config: CCMConfig, max_positions: int | None) -> None:
+        """Raise a ValueError naming the setting to change if these sizes cannot work."""
+        for name in ("window_tokens", "compress_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"StreamingConfig.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"StreamingConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}.")
+        n = ccm_config.num_comp_tokens
+        if self.compress and self.window_tokens < self.compress_chunk:
+            raise ValueError(
+                f"StreamingConfig.window_tokens ({self.window_tokens}) is smaller than compress_chunk "
+                f"({self.compress_chunk}): the window must hold a whole chunk before it is compressed. Raise "
+                "window_tokens or lower compress_chunk."
+            )
+        if self.compress and ccm_config.update == "concat" and self.max_memory_tokens < n:
+            raise ValueError(
+                f"StreamingConfig.max_memory_tokens ({self.max_memory_tokens}) cannot hold one compressed chunk "
+                f"({n} <COMP> slots); set it to at least {n}."
+            )
+        # The <COMP> tokens of a compression sit right after their chunk, up to n - 1 positions past the cap.
+        highest = self.max_kv_length(ccm_config) + (n if self.compress else 0)
+        if max_positions is not None and highest > max_positions:
+            raise ValueError(
+                f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
+                f"exceeds the model's maximum of {max_positions} positions; lower window_tokens."
+            )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class KeyRotation:
+    """Moves rotary-embedded keys to other positions: `R(p + d) k = R(d) R(p) k`, exactly.
+
+    Holds each layer's rotary frequencies `(rotary_dim / 2,)`; dimensions past `rotary_dim` (partial rotary)
+    carry no position and stay as they are. Scaled RoPE variants (YaRN, LongRoPE) scale the keys once when
+    they are computed; a rotation keeps that scale.
+    """
+
+    def __init__(self, inverse_frequencies: list[torch.Tensor]) -> None:
+        self.inverse_frequencies = [frequencies.float() for frequencies in inverse_frequencies]
+
+    @classmethod
+    def of_model(cls, model: PreTrainedModel) -> KeyRotation:
+        """Read the frequencies of every layer from the model's rotary embedding module."""
+        rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+        if rotary is None:
+            raise TypeError(
+                f"Streaming reassigns positions inside the cache, which needs rotary position embeddings; "
+                f"{type(model).__name__} has none (its positions are added to the hidden states). Use a rotary model "
+                "or a non-streaming cache."
+            )
+        config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+        frequencies = []
+        for layer_type in layer_types[: config.num_hidden_layers]:
+            per_type = getattr(rotary, f"{layer_type}_inv_freq", None) if layer_type else None
+            frequencies.append(per_type if per_type is not None else rotary.inv_freq)
+        return cls(frequencies)
+
+    def shift(self, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Rotate keys `(batch, kv_heads, len, head_dim)` by `delta` `(len,)` positions each."""
+        frequencies = self.inverse_frequencies[layer_idx].to(keys.device)
+        rotary_dim = 2 * frequencies.shape[0]
+        angles = delta.to(keys.device, torch.float)[:, None] * frequencies[None]
+        angles = torch.cat([angles, angles], dim=-1)
+        rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
+        rotated = rotated * angles.cos() + _rotate_half(rotated) * angles.sin()
+        return torch.cat([rotated.to(keys.dtype), rest], dim=-1)
+
+    def relocate(self, layer_idx: int, pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """Concatenate key pieces `(batch, kv_heads, len_i, head_dim)` into consecutive positions from 0.
+
+        Each piece comes with the position its first slot had; it is re-rotated by the difference.
+        """
+        deltas, start = [], 0
+        for keys, old_start in pieces:
+            deltas.append(torch.full((keys.shape[2],), start - old_start, dtype=torch.long))
+            start += keys.shape[2]
+        delta = torch.cat(deltas)
+        keys = torch.cat([keys for keys, _ in pieces], dim=2)
+        if not delta.any():
+            return keys
+        return self.shift(layer_idx, keys, delta)

@@ -1,0 +1,247 @@
+"""Streaming caches: exact re-rotation, StreamingLLM and CCM streams against a plain reference, bounded
+memory over long generations, batching, persistence and bad configurations."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from streaming_reference import ReferenceStream
+from tiny_models import VOCAB, tiny_ccm
+from transformers_ccm import StreamingConfig
+from transformers_ccm.streaming import KeyRotation
+
+ROTARY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt-neox", "olmo")
+SMALL = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+
+
+def keys_at(model, ids, start):
+    """Every layer's cached keys for `ids` run at positions start, start + 1, ..."""
+    cache = DynamicCache()
+    positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+    with torch.no_grad(), model.adapter_disabled():
+        model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache)
+    return [layer.keys for layer in cache.layers]
+
+
+@pytest.mark.parametrize("architecture", ROTARY)
+def test_rerotation_equals_keys_computed_at_the_new_positions(architecture):
+    model = tiny_ccm(architecture)
+    rotation = KeyRotation.of_model(model.base_model)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    for old, new in ((40, 3), (0, 25), (7, 8)):
+        moved = keys_at(model, ids, old)
+        expected = keys_at(model, ids, new)
+        for index, (keys, target) in enumerate(zip(moved, expected, strict=True)):
+            shifted = rotation.shift(index, keys, torch.full((ids.shape[1],), new - old))
+            torch.testing.assert_close(shifted, target, atol=1e-5, rtol=0)
+
+
+def stream_logits(model, config, ids, piece):
+    """Feed `ids` `(batch, len)` in pieces of `piece` tokens through a streaming cache and the reference."""
+    cache = model.new_cache(ids.shape[0], streaming=config)
+    reference = ReferenceStream(model, config)
+    ours, theirs = [], []
+    with torch.no_grad():
+        for chunk in ids.split(piece, dim=1):
+            ours.append(model(input_ids=chunk, past_key_values=cache).logits)
+            theirs.append(reference.feed(chunk))
+            assert cache.kv_length == len(reference.sink) + len(reference.memory) + len(reference.window)
+            assert cache.layers[0].keys.shape[2] == cache.kv_length <= config.max_kv_length(model.config)
+    return torch.cat(ours, dim=1), torch.cat(theirs, dim=1)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    architecture=st.sampled_from(("llama", "qwen3", "gpt-neox")),
+    sink=st.integers(0, 3),
+    window=st.integers(3, 9),
+    piece=st.integers(1, 3),
+    length=st.integers(1, 40),
+)
+def test_streaming_llm_equals_the_reference(architecture, sink, window, piece, length):
+    model = tiny_ccm(architecture)
+    config = StreamingConfig(window_tokens=window, sink_tokens=sink, compress=False)
+    ids = torch.randint(3, VOCAB, (2, length))
+    ours, theirs = stream_logits(model, config, ids, min(piece, window))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    architecture=st.sampled_from(("llama", "qwen3", "gpt-neox")),
+    update=st.sampled_from(("concat", "merge", "ema")),
+    num_comp_tokens=st.integers(1, 2),
+    sink=st.integers(0, 2),
+    chunk=st.integers(1, 4),
+    extra_window=st.integers(0, 4),
+    piece=st.integers(1, 3),
+    length=st.integers(1, 48),
+)
+def test_ccm_stream_equals_compress_then_evict_reference(
+    architecture, update, num_comp_tokens, sink, chunk, extra_window, piece, length
+):
+    model = tiny_ccm(architecture, num_comp_tokens=num_comp_tokens, update=update)
+    config = StreamingConfig(
+        window_tokens=chunk + extra_window,
+        sink_tokens=sink,
+        compress_chunk=chunk,
+        max_memory_tokens=2 * num_comp_tokens,
+    )
+    ids = torch.randint(3, VOCAB, (2, length))
+    ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_long_inputs_are_split_and_compressed_by_themselves():
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    ids = torch.randint(3, VOCAB, (1, 57))
+    ours, theirs = stream_logits(model, SMALL, ids, SMALL.max_forward_tokens)
+    whole = model(input_ids=ids, past_key_values=model.new_cache(1, streaming=SMALL)).logits
+    torch.testing.assert_close(whole, ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(whole, theirs, atol=1e-4, rtol=0)
+
+
+def test_streaming_forward_loss_is_the_mean_next_token_loss():
+    model = tiny_ccm("llama")
+    ids = torch.randint(3, VOCAB, (1, 30))
+    out = model(input_ids=ids, labels=ids, past_key_values=model.new_cache(1, streaming=SMALL))
+    expected = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_generate_after_a_long_prompt_continues_the_stream():
+    """generate() (prompt split into pieces, then one token at a time) equals greedy decoding by forward calls."""
+    model = tiny_ccm("qwen3", num_comp_tokens=1, update="merge")
+    prompt = torch.randint(3, VOCAB, (2, 33))
+    cache = model.new_cache(2, streaming=SMALL)
+    generated = model.generate(prompt, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    manual = model.new_cache(2, streaming=SMALL)
+    logits = model(input_ids=prompt, past_key_values=manual).logits[:, -1]
+    tokens = []
+    for _ in range(20):
+        logits[:, model.base_model.generation_config.eos_token_id] = float("-inf")  # as min_new_tokens does
+        tokens.append(logits.argmax(-1, keepdim=True))
+        logits = model(input_ids=tokens[-1], past_key_values=manual).logits[:, -1]
+    torch.testing.assert_close(generated[:, prompt.shape[1] :], torch.cat(tokens, dim=1))
+    # The last generated token is in the stream too, so both caches hold the same.
+    assert cache.kv_length == manual.kv_length
+    for ours, theirs in zip(cache.layers, manual.layers, strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_ten_thousand_generated_tokens_stay_within_160_positions(update):
+    model = tiny_ccm("llama", num_comp_tokens=2, update=update)
+    config = StreamingConfig()  # the paper's sizes: 4 sink + 8 memory + 148 window = 160
+    budget = config.max_kv_length(model.config)
+    assert budget == (160 if update == "concat" else 154)
+    cache = model.new_cache(2, streaming=config)
+    held, sizes = [], []
+
+    def record(module, args, kwargs, output):
+        held.append(cache.layers[0].keys.shape[2])
+        sizes.append(cache.memory_bytes())
+
+    hook = model.base_model.register_forward_hook(record, with_kwargs=True)
+    try:
+        model.generate(
+            torch.randint(3, VOCAB, (2, 5)),
+            past_key_values=cache,
+            max_new_tokens=10_000,
+            min_new_tokens=10_000,
+            do_sample=False,
+        )
+    finally:
+        hook.remove()
+    assert cache.turn_tokens == 10_005
+    assert max(held) <= budget
+    assert max(held) >= budget - config.compress_chunk  # it really streams at the budget
+    per_position = sizes[-1] // cache.kv_length
+    assert max(sizes) <= budget * per_position  # nothing grows beyond the budget's tensors
+    assert int(cache.steps[0]) >= (10_005 - budget) // config.compress_chunk
+
+
+def test_batched_streams_are_independent():
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    prompts = torch.randint(3, VOCAB, (3, 12))
+    together = model.generate(
+        prompts,
+        past_key_values=model.new_cache(3, streaming=SMALL),
+        max_new_tokens=40,
+        min_new_tokens=40,
+        do_sample=False,
+    )
+    for row in range(3):
+        alone = model.generate(
+            prompts[row : row + 1],
+            past_key_values=model.new_cache(1, streaming=SMALL),
+            max_new_tokens=40,
+            min_new_tokens=40,
+            do_sample=False,
+        )
+        torch.testing.assert_close(together[row : row + 1], alone)
+
+
+def test_beam_search_on_a_stream():
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    prompt = torch.randint(3, VOCAB, (1, 15))
+    cache = model.new_cache(1, streaming=SMALL)
+    output = model.generate(prompt, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, num_beams=3)
+    assert output.shape == (1, 21)
+    assert cache.turn_tokens == 21
+    assert cache.kv_length <= SMALL.max_kv_length(model.config)
+
+
+def test_a_saved_stream_continues_exactly(tmp_path):
+    model = tiny_ccm("llama", num_comp_tokens=2, update="merge")
+    ids = torch.randint(3, VOCAB, (2, 40))
+    cache = model.new_cache(2, streaming=SMALL)
+    model(input_ids=ids[:, :27], past_key_values=cache)
+    cache.save(tmp_path / "stream.safetensors")
+    loaded = type(cache).load(tmp_path / "stream.safetensors", model)
+    assert loaded.streaming == SMALL
+    torch.testing.assert_close(
+        model(input_ids=ids[:, 27:], past_key_values=loaded).logits,
+        model(input_ids=ids[:, 27:], past_key_values=cache).logits,
+    )
+
+
+def test_same_size_baseline_holds_as_many_positions():
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    baseline = StreamingConfig().same_size_baseline(model.config)
+    assert not baseline.compress
+    assert baseline.max_kv_length(model.config) == StreamingConfig().max_kv_length(model.config) == 160
+    assert baseline.window_tokens == 156
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (StreamingConfig(window_tokens=8, compress_chunk=16), "smaller than compress_chunk"),
+        (StreamingConfig(compress_chunk=0), "compress_chunk must be a positive integer"),
+        (StreamingConfig(window_tokens=600, compress_chunk=16), "maximum of 512 positions"),
+        (StreamingConfig(window_tokens=511, sink_tokens=2, compress=False), "maximum of 512 positions"),
+        (StreamingConfig(max_memory_tokens=1), "max_memory_tokens"),
+        (StreamingConfig(sink_tokens=-1), "sink_tokens"),
+    ],
+)
+def test_bad_streaming_configurations_name_the_setting(config, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_ccm("llama", num_comp_tokens=2).new_cache(1, streaming=config)
+
+
+def test_streaming_misuse_is_explained():
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    cache = model.new_cache(2, streaming=SMALL)
+    with pytest.raises(ValueError, match="unpadded"):
+        model(
+            input_ids=torch.ones(2, 4, dtype=torch.long),
+            attention_mask=torch.tensor([[1] * 4, [0, 1, 1, 1]]),
+            past_key_values=cache,
+        )
+    with pytest.raises(ValueError, match="compresses by itself"):
+        model.compress(cache, torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="rotary"):
+        tiny_ccm("gpt2").new_cache(1, streaming=SMALL)
