@@ -3,7 +3,7 @@
 # then this package with its test extras.
 PYTHON ?= python3
 
-.PHONY: install demo test adapters results
+.PHONY: install demo test adapters results stream-adapter stream-results bench
 
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check torch==2.13.0
@@ -14,7 +14,7 @@ demo: install
 	$(PYTHON) -m transformers_ccm.cli demo
 
 test: install
-	$(PYTHON) -m ruff check src tests examples
+	$(PYTHON) -m ruff check src tests examples benchmarks
 	$(PYTHON) -m pytest
 
 # Slow, on the real model (about 40 minutes each on 2 CPU cores): train the shipped adapters into the
@@ -31,3 +31,18 @@ adapters: install
 results: install
 	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --samples 48 \
 		--output-dir docs/results
+
+# Streaming (about 55 minutes on 2 CPU cores, then about 10): the shipped streaming adapter, trained on the
+# training split of the long text, and CCM against StreamingLLM at the same KV size on the held-out split.
+stream-adapter: install
+	$(PYTHON) -m transformers_ccm.cli train --model default --task text --update concat --num-comp-tokens 2 \
+		--steps 150 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir $(SHIPPED)/smollm2-stream
+	rm -rf $(SHIPPED)/smollm2-stream/checkpoint-*
+
+stream-results: install
+	$(PYTHON) -m transformers_ccm.cli stream-eval --adapter ccm:smollm2-stream --output-dir docs/results/streaming
+
+# Every benchmark on the default model and the shipped adapters (about 15 minutes on 2 CPU cores): tables on
+# the terminal, JSON, plots and summary.md in docs/performance/.
+bench: install
+	$(PYTHON) -m benchmarks --model default --output-dir docs/performance

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -71,31 +71,53 @@ def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
 class LoRAGate:
     """Restricts the LoRA to the tokens of a mask while the `active` context is open.
 
-    Outside the context the LoRA acts on no token, so the model is exactly its base model.
+    Outside the context the LoRA layers are switched off (PEFT's base-layer-only path), so the model is exactly
+    its base model and pays nothing for the adapter; inside, a pre-hook on `lora_A` zeroes its input away from
+    the mask.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._mask: torch.Tensor | None = None
+        self._suppressed = False
+        self._layers = lora_layers(model)
         self._handles = [
-            layer.lora_A[ADAPTER_NAME].register_forward_pre_hook(self._gate_input) for layer in lora_layers(model)
+            layer.lora_A[ADAPTER_NAME].register_forward_pre_hook(self._gate_input) for layer in self._layers
         ]
         if not self._handles:
             raise TypeError(f"{type(model).__name__} has no LoRA layers to gate.")
+        self._switch()
+
+    def _switch(self) -> None:
+        # PEFT's own flag, set without enable_adapters(): that would also clear requires_grad, and autograd drops
+        # the gradients of a leaf that stops requiring them between a forward and its backward.
+        off = self._mask is None or self._suppressed
+        for layer in self._layers:
+            layer._disable_adapters = off
 
     def _gate_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         (hidden,) = args
-        if self._mask is None:
+        if self._mask is None:  # only if something else switched the layers on
             return (torch.zeros_like(hidden),)
         return (hidden * self._mask[..., None].to(hidden.dtype),)
 
-    @contextmanager
-    def active(self, token_mask: torch.Tensor) -> Iterator[None]:
+    def active(self, token_mask: torch.Tensor) -> AbstractContextManager[None]:
         """Apply the LoRA only where `token_mask` (`(batch, seq)` bool) is True."""
-        previous, self._mask = self._mask, token_mask
+        return self._state(token_mask, self._suppressed)
+
+    def suppressed(self) -> AbstractContextManager[None]:
+        """No LoRA at all, even inside `active` (the base model alone)."""
+        return self._state(self._mask, True)
+
+    @contextmanager
+    def _state(self, mask: torch.Tensor | None, suppressed: bool) -> Iterator[None]:
+        previous = self._mask, self._suppressed
+        self._mask, self._suppressed = mask, suppressed
+        self._switch()
         try:
             yield
         finally:
-            self._mask = previous
+            self._mask, self._suppressed = previous
+            self._switch()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -128,6 +128,10 @@ class CCMForCausalLM(nn.Module):
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
         """Within the context the model is exactly its base model (no LoRA anywhere)."""
+        if self._gate is not None:
+            with self._gate.suppressed():
+                yield
+            return
         layers = lora_layers(self.base_model)
         for layer in layers:
             layer.enable_adapters(False)
