@@ -262,6 +262,7 @@ class CompressedMemoryCache(Cache):
         self.steps = self.steps + 1
         concat = self.config.update == "concat"
         evicted = max(0, memory + n - streaming.max_memory_tokens) if concat else 0
+        weight = update_coefficient(int(self.steps[0]), self.config) if not concat and memory else 1.0
         for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
             comp_keys, comp_values = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
             keys, values = layer.keys, layer.values
@@ -277,7 +278,6 @@ class CompressedMemoryCache(Cache):
             else:
                 moved = rotation.shift(index, comp_keys, torch.full((n,), sink - comp_start))
                 if memory:
-                    weight = update_coefficient(int(self.steps[0]), self.config)
                     moved = (1 - weight) * memory_keys + weight * moved
                     comp_values = (1 - weight) * memory_values + weight * comp_values
                 key_pieces, value_pieces = [(sink_keys, 0), (moved, sink)], [comp_values]
