@@ -142,12 +142,16 @@ class CompressedMemoryCache(Cache):
     def memory_bytes(self) -> int:
         """Bytes of the per-user state between turns over all layers: the memory keys and values (streaming:
         everything held)."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in self._held_tensors())
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+            for tensor in self._held(layer)
+        )
 
-    def _held_tensors(self) -> list[torch.Tensor]:
-        if self.streaming is not None:
-            return [tensor for layer in self.layers if layer.is_initialized for tensor in (layer.keys, layer.values)]
-        return [tensor for layer in self.layers if layer.is_initialized for tensor in layer.memory()]
+    def _held(self, layer: CompressedMemoryLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's per-user state: its memory keys and values (streaming: everything it holds)."""
+        return (layer.keys, layer.values) if self.streaming is not None else layer.memory()
 
     # ----- the online forward ------------------------------------------------------------------------------
     def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,7 +460,7 @@ class CompressedMemoryCache(Cache):
         tensors = {name: getattr(self, name).contiguous().cpu() for name in ("memory_mask", "next_position", "steps")}
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
-                keys, values = (layer.keys, layer.values) if self.streaming is not None else layer.memory()
+                keys, values = self._held(layer)
                 tensors[f"layers.{index}.keys"] = keys.contiguous().cpu()
                 tensors[f"layers.{index}.values"] = values.contiguous().cpu()
         metadata = {
