@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.lora import lora_layers
 
@@ -80,18 +80,3 @@ def test_default_targets_are_the_attention_projections(architecture, projections
     assert {name.rsplit(".", 1)[-1] for name in wrapped} == projections
     assert all(".mlp." not in name for name in wrapped)
     assert len(wrapped) == len(projections) * model.base_model.config.num_hidden_layers
-
-
-def test_lora_is_switched_on_only_for_comp_runs_and_never_while_disabled():
-    model = tiny_ccm("llama")
-    layers = lora_layers(model.base_model)
-    comp = torch.ones(1, 3, dtype=torch.bool)
-    assert all(layer.disable_adapters for layer in layers)
-    with model.lora_at(comp):
-        assert not any(layer.disable_adapters for layer in layers)
-        with model.adapter_disabled():
-            assert all(layer.disable_adapters for layer in layers)
-        assert not any(layer.disable_adapters for layer in layers)
-    with model.adapter_disabled(), model.lora_at(comp):
-        assert all(layer.disable_adapters for layer in layers)
-    assert all(layer.disable_adapters for layer in layers)

@@ -1,10 +1,16 @@
 """Persistence of a user's memory and the errors that protect it."""
 
+import json
+import re
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
+from transformers_ccm.cache import MEMORY_FORMAT
 
 
 def _filled(model, batch_size=2):
@@ -114,3 +120,101 @@ def test_mismatched_attention_mask():
     model = tiny_ccm("llama")
     with pytest.raises(ValueError, match="one mask entry per context token"):
         model.compress(model.new_cache(), torch.tensor([[5, 6]]), attention_mask=torch.tensor([[1]]))
+
+
+# ----- crafted files ---------------------------------------------------------------------------------------------
+def _rewrite(path, tensors=None, metadata=None):
+    """Write `path` again with tensors and/or header changed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as file:
+        original = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+        header = file.metadata()
+    save_file(tensors(original) if tensors else original, path, metadata(header) if metadata else header)
+
+
+def _header_edit(edit):
+    def metadata(header):
+        content = json.loads(header[MEMORY_FORMAT])
+        edit(content)
+        return {MEMORY_FORMAT: json.dumps(content)}
+
+    return metadata
+
+
+def _with(name, value):
+    return lambda tensors: {**tensors, name: value}
+
+
+def _without(name):
+    return lambda tensors: {key: value for key, value in tensors.items() if key != name}
+
+
+CRAFTED = {
+    "a missing tensor": ({"tensors": _without("layers.1.values")}, "'layers.1.values' is missing"),
+    "a wrong dtype": ({"tensors": _with("steps", torch.zeros(2, dtype=torch.int32))}, "'steps' is torch.int32"),
+    "a wrong shape": ({"tensors": _with("layers.0.keys", torch.zeros(2, 2, 3, 8))}, "expected torch.float32 of shape"),
+    "values that are not finite": (
+        {"tensors": _with("layers.0.values", torch.full((2, 2, 4, 8), float("nan")))},
+        "not finite",
+    ),
+    "an extra tensor": ({"tensors": _with("layers.9.keys", torch.zeros(1))}, "unexpected tensors"),
+    "a negative position": ({"tensors": _with("next_position", torch.tensor([-3, 2]))}, "must be >= 0"),
+    "no positions": ({"tensors": _without("next_position")}, "'next_position' must be a non-empty 1-D tensor"),
+    "a header that is not JSON": ({"metadata": lambda header: {MEMORY_FORMAT: "{nope"}}, "is not JSON"),
+    "a header without signature": ({"metadata": _header_edit(lambda h: h.pop("signature"))}, "no signature"),
+    "an unknown version": ({"metadata": _header_edit(lambda h: h.update(format_version="7"))}, "version '7'"),
+    "a bad streaming header": (
+        {"metadata": _header_edit(lambda h: h.update(streaming={"config": {"window": 3}}))},
+        "streaming header is wrong",
+    ),
+    "another adapter's signature": (
+        {"metadata": _header_edit(lambda h: h["signature"].update(adapter_sha256="0" * 64))},
+        "adapter_sha256",
+    ),
+}
+
+
+@settings(max_examples=len(CRAFTED), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(sorted(CRAFTED)))
+def test_crafted_files_are_refused_with_a_value_error_that_names_the_problem(tmp_path, case):
+    model = tiny_ccm("llama")
+    path = tmp_path / "user.safetensors"
+    _filled(model).save(path)
+    edits, message = CRAFTED[case]
+    _rewrite(path, **edits)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CompressedMemoryCache.load(path, model)
+
+
+def test_merge_memory_with_too_many_slots_is_refused(tmp_path):
+    model = tiny_ccm("llama", update="merge")
+    path = tmp_path / "user.safetensors"
+    _filled(model).save(path)
+    wide = {f"layers.{i}.{name}": torch.zeros(2, 2, 5, 8) for i in range(2) for name in ("keys", "values")}
+    _rewrite(path, tensors=lambda tensors: {**tensors, **wide, "memory_mask": torch.ones(2, 5, dtype=torch.bool)})
+    with pytest.raises(ValueError, match=r"holds 5 memory slots, more than this adapter's memory can \(2\)"):
+        CompressedMemoryCache.load(path, model)
+
+
+def test_files_of_format_version_1_still_load(tmp_path, caplog):
+    model = tiny_ccm("llama", update="merge")
+    cache = _filled(model)
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    signature = {key: value for key, value in model.memory_signature().items() if key != "base_fingerprint"}
+    _rewrite(
+        path,
+        metadata=lambda header: {
+            "format": MEMORY_FORMAT,
+            "format_version": "1",
+            "signature": json.dumps(signature, sort_keys=True),
+        },
+    )
+    loaded = CompressedMemoryCache.load(path, model)
+    assert "did not record the base weights" in caplog.text
+    assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)
+    model.compress(loaded, torch.tensor([[5, 6], [7, 8]]))
+    model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
+    assert torch.equal(loaded.layers[1].values, cache.layers[1].values)

@@ -1,26 +1,30 @@
 """`CompressedMemoryCache`: a `transformers.Cache` that keeps compressed memory instead of past tokens.
 
-Every layer holds `[memory | turn]`: the memory slots (the `<COMP>` keys/values of earlier contexts, or
-their running average) and the keys/values of the tokens of the current turn. `generate()` sees only the
-turn (`get_seq_length()`), so it works unchanged; the model's online hook (see `modeling.py`) asks the
-cache for the attention mask and the logical ("skip") positions of each forward. Folding a turn replaces
-the turn by its compression `h(t)` according to the update rule.
+The cache is a list of layer objects that own their policy, as in transformers' `cache_utils`:
 
-Per-row state (`(batch, ...)` tensors) lets users at different time steps share a batch: `memory_mask`
-marks the slots a row owns, `turn_mask` the real (non-padding) turn tokens, `next_position` the logical
-position of the row's next token, `steps` the number of contexts compressed so far.
+- `MemoryLayer` holds `[memory | turn]`: the memory slots (the `<COMP>` keys/values of earlier contexts, or
+  their running average) and the keys/values of the tokens of the current turn. Folding a turn replaces the
+  turn by its compression `h(t)` according to the update rule.
+- `StreamingLayer` holds `[sink | memory | window]` and compresses (or evicts) the oldest window tokens when
+  new ones would not fit, moving rotary keys to their new positions.
 
-A streaming cache (`model.new_cache(streaming=StreamingConfig(...))`, see `streaming.py`) holds
-`[sink | memory | window]` instead, the same lengths in every row, and compresses or evicts by itself.
+Per-row bookkeeping lives in one frozen `RowState` (users at different time steps share a batch): which
+memory slots a row owns, the real (non-padding) turn tokens, the logical "skip" position of the row's next
+token, the number of contexts compressed, and the token `generate()` produced last without running it.
+
+The cache never calls the model. It changes only through whole replacements of tensors, so a `transaction`
+can restore it exactly when a call fails.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,24 +35,94 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
-if TYPE_CHECKING:
-    from transformers_ccm.modeling import CCMForCausalLM
+logger = logging.getLogger(__name__)
 
 MEMORY_FORMAT = "transformers-ccm-memory"
-MEMORY_FORMAT_VERSION = "1"
-_STREAM_STATE = ("sink_length", "window_length", "turn_tokens")
-_ROW_STATE = ("memory_mask", "turn_mask", "next_position", "steps", "pending_ids", "pending_mask")
+MEMORY_FORMAT_VERSION = "2"
+# Version 1 files hashed only the adapter parameters that required grad and did not identify the base weights.
+_LEGACY_FORMAT_VERSIONS = ("1",)
 
 
-class CompressedMemoryLayer(DynamicLayer):
-    """One layer's keys/values `(batch, kv_heads, memory + turn, head_dim)`; the first `memory_length`
-    slots are memory."""
+# ----- what a model tells its caches -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything a cache needs to know of the model that fills it: data only, never the model itself.
+
+    Attributes:
+        config: the adapter's settings (update rule, `<COMP>` length, concat cap).
+        signature: what a memory depends on: base model and its weights, adapter weights, update rule (see
+            `CCMForCausalLM.memory_signature`). A model or file with another signature is refused.
+        num_layers, kv_heads, head_dim: the shape of each layer's keys/values `(batch, kv_heads, len, head_dim)`.
+        dtype, device: those of the keys/values.
+        rotation: the model's rotary frequencies (None without rotary embeddings); streaming needs it, and
+            compressed memory uses it to re-base positions that would pass `max_positions`.
+        max_positions: the model's maximum number of positions, if it has one.
+        legacy_signature: the signature memory files of format version 1 recorded for this model.
+    """
+
+    config: CCMConfig
+    signature: dict[str, Any]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    rotation: KeyRotation | None = None
+    max_positions: int | None = None
+    legacy_signature: dict[str, Any] | None = None
+
+
+# ----- per-row state ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowState:
+    """Per-row bookkeeping of a batch of users; replaced as a whole, never changed in place.
+
+    Attributes:
+        memory_mask: `(batch, memory)` bool, the memory slots each row owns.
+        turn_mask: `(batch, turn)` bool, the real (non-padding) tokens of the current turn.
+        next_position: `(batch,)` long, the logical ("skip") position of each row's next token.
+        steps: `(batch,)` long, contexts (streaming: chunks) compressed so far.
+        pending_ids, pending_mask: `(batch, 0 or 1)`, the token `generate()` produced last, which has no
+            keys/values yet (folding the turn runs it), and whether it is real.
+    """
+
+    memory_mask: torch.Tensor
+    turn_mask: torch.Tensor
+    next_position: torch.Tensor
+    steps: torch.Tensor
+    pending_ids: torch.Tensor
+    pending_mask: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int) -> RowState:
+        return cls(
+            memory_mask=torch.zeros(batch_size, 0, dtype=torch.bool),
+            turn_mask=torch.zeros(batch_size, 0, dtype=torch.bool),
+            next_position=torch.zeros(batch_size, dtype=torch.long),
+            steps=torch.zeros(batch_size, dtype=torch.long),
+            pending_ids=torch.zeros(batch_size, 0, dtype=torch.long),
+            pending_mask=torch.zeros(batch_size, 0, dtype=torch.bool),
+        )
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> RowState:
+        """The same state with `function` applied to every tensor (batch selection, devices)."""
+        return RowState(**{field.name: function(getattr(self, field.name)) for field in fields(self)})
+
+
+# ----- layers ----------------------------------------------------------------------------------------------------
+class MemoryLayer(DynamicLayer):
+    """One layer's `[memory | turn]` keys/values, `(batch, kv_heads, memory + turn, head_dim)`.
+
+    Merge and EMA memory is accumulated in float32 (`accumulated`), whatever the model's dtype, so that a
+    running mean over many turns keeps moving; the memory attended to is its cast to the model's dtype.
+    """
 
     is_croppable = False
 
     def __init__(self) -> None:
         super().__init__()
         self.memory_length = 0
+        self.accumulated: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def get_seq_length(self) -> int:
         """Length of the current turn: the memory is a prefix that `generate()` must not count."""
@@ -61,6 +135,10 @@ class CompressedMemoryLayer(DynamicLayer):
         """Memory keys and values, `(batch, kv_heads, memory_length, head_dim)` each."""
         return self.keys[:, :, : self.memory_length], self.values[:, :, : self.memory_length]
 
+    def comp_block(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the last `n` positions: the `<COMP>` block just run."""
+        return self.keys[:, :, -n:], self.values[:, :, -n:]
+
     def set_memory(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace the layer's content by a memory (the turn is dropped)."""
         if not self.is_initialized:
@@ -68,71 +146,277 @@ class CompressedMemoryLayer(DynamicLayer):
         self.keys, self.values = keys, values
         self.memory_length = keys.shape[-2]
 
+    def fold_concat(self, n: int, slots: torch.Tensor) -> None:
+        """New memory: the slots `slots` `(batch, width)` (indices into `[memory | <COMP> block]`) of each row."""
+        memory_keys, memory_values = self.memory()
+        comp_keys, comp_values = self.comp_block(n)
+        keys, values = torch.cat([memory_keys, comp_keys], dim=2), torch.cat([memory_values, comp_values], dim=2)
+        index = slots.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+        self.set_memory(keys.gather(2, index), values.gather(2, index))
 
+    def fold_average(self, n: int, weight: torch.Tensor) -> None:
+        """`Mem = (1 - a) Mem + a h` per row in float32, with `a = weight` `(batch,)` (1 replaces the memory)."""
+        comp_keys, comp_values = self.comp_block(n)
+        new = comp_keys.float(), comp_values.float()
+        old = _float_average(self.accumulated, self.memory() if self.memory_length else None)
+        if old is None:
+            accumulated = new
+        else:
+            a = weight.to(comp_keys.device, torch.float32)[:, None, None, None]
+            accumulated = tuple((1 - a) * past + a * fresh for past, fresh in zip(old, new, strict=True))
+        self.set_average(*accumulated, dtype=comp_keys.dtype)
+
+    def set_average(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hold the float32 average `keys`, `values` as memory, cast to `dtype` for attention."""
+        self.accumulated = keys, values
+        self.set_memory(keys.to(dtype), values.to(dtype))
+
+    def rebase(self, rotation: KeyRotation, layer_idx: int, delta: torch.Tensor) -> None:
+        """Move every held key by `delta` `(batch,)` positions (relative positions stay exact)."""
+        shift = delta[:, None].expand(-1, self.keys.shape[2])
+        self.keys = rotation.shift(layer_idx, self.keys, shift)
+        if self.accumulated is not None:
+            keys, values = self.accumulated
+            self.accumulated = rotation.shift(layer_idx, keys, shift[:, : keys.shape[2]]), values
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The per-user state between turns, by name: the memory, and the float32 average when it is not the
+        memory itself."""
+        keys, values = self.memory()
+        state = {"keys": keys, "values": values}
+        if self.accumulated is not None and self.accumulated[0].dtype != keys.dtype:
+            state["accumulated_keys"], state["accumulated_values"] = self.accumulated
+        return state
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `held` (tensors already checked)."""
+        keys, values = state["keys"], state["values"]
+        if "accumulated_keys" in state:
+            self.set_average(state["accumulated_keys"], state["accumulated_values"], dtype=keys.dtype)
+        else:
+            self.set_memory(keys, values)
+
+
+class StreamingLayer(DynamicLayer):
+    """One layer of a bounded stream: `[sink | memory | window]` keys/values at positions `0..n-1`.
+
+    New tokens fill the sink first, then the window. When the window overflows, the cache has its oldest
+    chunk compressed (`fold_chunk`) or dropped (`evict`); moved keys are re-rotated to their new positions.
+    """
+
+    is_croppable = False
+
+    def __init__(self, sink_tokens: int) -> None:
+        super().__init__()
+        self.sink_tokens = sink_tokens
+        self.sink_length = self.memory_length = self.window_length = 0
+        self.accumulated: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def kv_length(self) -> int:
+        return self.sink_length + self.memory_length + self.window_length
+
+    def window_growth(self, new: int) -> int:
+        """How many of `new` tokens go to the window (the others fill the sink)."""
+        return new - min(new, self.sink_tokens - self.sink_length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        growth = self.window_growth(key_states.shape[-2])
+        keys, values = super().update(key_states, value_states)
+        self.sink_length += key_states.shape[-2] - growth
+        self.window_length += growth
+        return keys, values
+
+    def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :length], self.values[:, :, :length]
+
+    def fold_chunk(
+        self,
+        rotation: KeyRotation,
+        layer_idx: int,
+        comp: tuple[torch.Tensor, torch.Tensor],
+        chunk: int,
+        evicted: int,
+        weight: float | None,
+    ) -> None:
+        """Replace the oldest `chunk` window tokens by the `<COMP>` keys/values `comp` (computed right after that
+        chunk): appended to memory after evicting its `evicted` oldest slots (concat, `weight=None`), or
+        averaged into it in float32 with coefficient `weight` (merge/EMA)."""
+        sink, memory = self.sink_length, self.memory_length
+        comp_keys, comp_values = comp
+        comp_start = sink + memory + chunk
+        keys, values = self.keys, self.values
+        rest = keys[:, :, comp_start:], values[:, :, comp_start:]
+        if weight is None:
+            key_pieces = [(keys[:, :, sink + evicted : sink + memory], sink + evicted), (comp_keys, comp_start)]
+            memory_values = torch.cat([values[:, :, sink + evicted : sink + memory], comp_values], dim=2)
+        else:
+            moved = rotation.shift(layer_idx, comp_keys, torch.full((comp_keys.shape[2],), sink - comp_start))
+            average = moved.float(), comp_values.float()
+            memory_slots = (keys[:, :, sink : sink + memory], values[:, :, sink : sink + memory]) if memory else None
+            old = _float_average(self.accumulated, memory_slots)
+            if old is not None:
+                average = tuple((1 - weight) * past + weight * new for past, new in zip(old, average, strict=True))
+            self.accumulated = average
+            key_pieces = [(average[0].to(keys.dtype), sink)]
+            memory_values = average[1].to(values.dtype)
+        self.keys = rotation.relocate(layer_idx, [(keys[:, :, :sink], 0), *key_pieces, (rest[0], comp_start)])
+        self.values = torch.cat([values[:, :, :sink], memory_values, rest[1]], dim=2)
+        self.memory_length = memory_values.shape[2]
+        self.window_length -= chunk
+
+    def evict(self, rotation: KeyRotation, layer_idx: int, excess: int) -> None:
+        """Drop the oldest `excess` window tokens (StreamingLLM), moving the rest back."""
+        kept = self.sink_length + self.memory_length
+        self.keys = rotation.relocate(
+            layer_idx, [(self.keys[:, :, :kept], 0), (self.keys[:, :, kept + excess :], kept + excess)]
+        )
+        self.values = torch.cat([self.values[:, :, :kept], self.values[:, :, kept + excess :]], dim=2)
+        self.window_length -= excess
+
+    def held(self) -> dict[str, torch.Tensor]:
+        state = {"keys": self.keys, "values": self.values}
+        if self.accumulated is not None and self.accumulated[0].dtype != self.keys.dtype:
+            state["accumulated_keys"], state["accumulated_values"] = self.accumulated
+        return state
+
+    def restore(self, state: dict[str, torch.Tensor], lengths: dict[str, int]) -> None:
+        self.lazy_initialization(state["keys"], state["values"])
+        self.keys, self.values = state["keys"], state["values"]
+        self.sink_length, self.memory_length, self.window_length = (
+            lengths["sink_length"],
+            lengths["memory_length"],
+            lengths["window_length"],
+        )
+        if "accumulated_keys" in state:
+            self.accumulated = state["accumulated_keys"], state["accumulated_values"]
+
+
+# ----- the cache -------------------------------------------------------------------------------------------------
 class CompressedMemoryCache(Cache):
     """Compressed context memory for a batch of users, usable as `past_key_values` of a `CCMForCausalLM`.
 
     Create one with `model.new_cache(batch_size)`; fill it with `model.compress(...)`; generate with
     `model.generate(..., past_key_values=cache)`. With `streaming` (and the model's `rotation`), it is a
     bounded stream instead: every forward adds to the window, compressing or evicting what overflows.
+
+    Args:
+        spec: what the model tells its caches (`CCMForCausalLM.cache_spec()`).
+        batch_size: rows (users).
+        streaming: sizes of a bounded stream, or None for compressed memory.
     """
 
-    def __init__(
-        self,
-        config: CCMConfig,
-        signature: dict[str, Any],
-        num_layers: int,
-        batch_size: int,
-        streaming: StreamingConfig | None = None,
-        rotation: KeyRotation | None = None,
-    ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
-        super().__init__(layers=[CompressedMemoryLayer() for _ in range(num_layers)])
-        self.config = config
-        self.signature = signature
-        self.memory_mask = torch.zeros(batch_size, 0, dtype=torch.bool)
-        self.turn_mask = torch.zeros(batch_size, 0, dtype=torch.bool)
-        self.next_position = torch.zeros(batch_size, dtype=torch.long)
-        self.steps = torch.zeros(batch_size, dtype=torch.long)
-        # A token generate() produced last has no keys/values yet; folding the turn runs it.
-        self.pending_ids = torch.zeros(batch_size, 0, dtype=torch.long)
-        self.pending_mask = torch.zeros(batch_size, 0, dtype=torch.bool)
-        if (streaming is None) != (rotation is None):
-            raise ValueError("A streaming cache needs both a StreamingConfig and the model's KeyRotation.")
+    def __init__(self, spec: CacheSpec, batch_size: int, streaming: StreamingConfig | None = None) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if streaming is not None:
+            if spec.rotation is None:
+                raise TypeError(
+                    "Streaming reassigns positions inside the cache, which needs rotary position embeddings; this "
+                    "model has none (its positions are added to the hidden states). Use a rotary model or a "
+                    "non-streaming cache."
+                )
+            streaming.validate(spec.config, spec.max_positions)
+        layers = (
+            [MemoryLayer() for _ in range(spec.num_layers)]
+            if streaming is None
+            else [StreamingLayer(streaming.sink_tokens) for _ in range(spec.num_layers)]
+        )
+        super().__init__(layers=layers)
+        self.spec = spec
         self.streaming = streaming
-        self.rotation = rotation
-        self.sink_length = 0
-        self.window_length = 0
+        self.rows = RowState.empty(batch_size)
         # Tokens fed since the stream or the current generate() began: what generate() must see as processed.
         self.turn_tokens = 0
 
-    # ----- sizes -------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> CCMConfig:
+        return self.spec.config
+
+    @property
+    def signature(self) -> dict[str, Any]:
+        return self.spec.signature
+
+    @property
+    def rotation(self) -> KeyRotation | None:
+        return self.spec.rotation
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.spec.max_positions
+
+    # ----- per-row views -----------------------------------------------------------------------------------------
+    @property
+    def memory_mask(self) -> torch.Tensor:
+        return self.rows.memory_mask
+
+    @property
+    def turn_mask(self) -> torch.Tensor:
+        return self.rows.turn_mask
+
+    @property
+    def next_position(self) -> torch.Tensor:
+        return self.rows.next_position
+
+    @property
+    def steps(self) -> torch.Tensor:
+        return self.rows.steps
+
+    @property
+    def pending_ids(self) -> torch.Tensor:
+        return self.rows.pending_ids
+
+    @property
+    def pending_mask(self) -> torch.Tensor:
+        return self.rows.pending_mask
+
+    # ----- sizes -------------------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
-        return self.next_position.shape[0]
+        return self.rows.next_position.shape[0]
 
     @property
     def memory_length(self) -> int:
         """Memory slots held per row (rows of a batch may own fewer; see `memory_mask`)."""
-        return self.memory_mask.shape[1]
+        return self.rows.memory_mask.shape[1]
 
     @property
     def turn_length(self) -> int:
         """Tokens of the current turn held (input and generated tokens not yet folded)."""
-        return self.turn_mask.shape[1]
+        return self.rows.turn_mask.shape[1]
 
     @property
     def has_unfolded_turn(self) -> bool:
         """Whether the cache holds turn tokens (or a pending generated token) that `compress` has not folded."""
-        return bool(self.turn_length or self.pending_ids.shape[1])
+        return bool(self.turn_length or self.rows.pending_ids.shape[1])
+
+    @property
+    def sink_length(self) -> int:
+        return self.layers[0].sink_length if self.streaming is not None else 0
+
+    @property
+    def window_length(self) -> int:
+        return self.layers[0].window_length if self.streaming is not None else 0
 
     @property
     def kv_length(self) -> int:
         """Physical key/value length of every layer: memory plus turn (streaming: sink, memory and window)."""
         if self.streaming is not None:
-            return self.sink_length + self.memory_length + self.window_length
+            return self.layers[0].kv_length
         return self.memory_length + self.turn_length
+
+    @property
+    def max_forward_tokens(self) -> int | None:
+        """The most new tokens one forward takes (longer inputs run in pieces); None for no limit."""
+        return self.streaming.max_forward_tokens if self.streaming is not None else None
+
+    @property
+    def runs_last_generated_token(self) -> bool:
+        """Whether `generate()` must run its last token at once (a stream holds every token), rather than leave
+        it pending for `compress` to fold."""
+        return self.streaming is not None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.streaming is not None:
@@ -141,19 +425,33 @@ class CompressedMemoryCache(Cache):
 
     def memory_bytes(self) -> int:
         """Bytes of the per-user state between turns over all layers: the memory keys and values (streaming:
-        everything held)."""
+        everything held), and the float32 merge/EMA average where it is not the memory itself."""
         return sum(
             tensor.numel() * tensor.element_size()
             for layer in self.layers
             if layer.is_initialized
-            for tensor in self._held(layer)
+            for tensor in layer.held().values()
         )
 
-    def _held(self, layer: CompressedMemoryLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's per-user state: its memory keys and values (streaming: everything it holds)."""
-        return (layer.keys, layer.values) if self.streaming is not None else layer.memory()
+    # ----- transactions ------------------------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Within the context, any exception (an interrupt included) restores the cache exactly as it was.
 
-    # ----- the online forward ------------------------------------------------------------------------------
+        Cheap: the cache replaces tensors instead of changing them, so keeping references suffices.
+        """
+        saved = dict(self.__dict__), [dict(layer.__dict__) for layer in self.layers]
+        try:
+            yield
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved[0])
+            for layer, state in zip(self.layers, saved[1], strict=True):
+                layer.__dict__.clear()
+                layer.__dict__.update(state)
+            raise
+
+    # ----- the online forward ------------------------------------------------------------------------------------
     def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Register `new_mask.shape[1]` new tokens of the turn and describe how they attend.
 
@@ -162,43 +460,159 @@ class CompressedMemoryCache(Cache):
 
         Returns:
             position_ids `(batch, new)` (logical positions) and the attention mask
-            `(batch, 1, new, memory + turn + new)` bool.
+            `(batch, 1, new, held + new)` bool.
         """
         self.check_batch_size(new_mask.shape[0], "the input")
-        device = new_mask.device
-        self._to(device)
-        new = new_mask.shape[1]
+        self._to(new_mask.device)
         if self.streaming is not None:
             return self._prepare_stream_forward(new_mask)
-        position_ids = (self.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-        # A padding query attends to itself too, so that no softmax row is empty.
-        own = (causal & new_mask[:, None, :]) | torch.eye(new, dtype=torch.bool, device=device)
-        past = torch.cat([self.memory_mask, self.turn_mask], dim=1)[:, None, :].expand(-1, new, -1)
-        mask = torch.cat([past, own], dim=-1)[:, None]
-        self.turn_mask = torch.cat([self.turn_mask, new_mask], dim=1)
-        self.next_position = self.next_position + new_mask.sum(-1)
+        counts = new_mask.sum(-1)
+        self._fit_positions(counts)
+        rows = self.rows
+        position_ids = (rows.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
+        mask = _attend_past_then_causal(torch.cat([rows.memory_mask, rows.turn_mask], dim=1), new_mask)
+        self.rows = replace(
+            rows, turn_mask=torch.cat([rows.turn_mask, new_mask], dim=1), next_position=rows.next_position + counts
+        )
         return position_ids, mask
 
-    # ----- streaming ----------------------------------------------------------------------------------------
+    def _fit_positions(self, counts: torch.Tensor) -> None:
+        """Re-base rows whose next positions would pass the model's maximum (rotary models: exact, since
+        attention depends on relative positions only); refuse where positions cannot move."""
+        if self.max_positions is None:
+            return
+        end = self.rows.next_position + counts
+        if not bool((end > self.max_positions).any()):
+            return
+        if int(counts.max()) > self.max_positions // 2:
+            raise ValueError(
+                f"An input of {int(counts.max())} tokens does not fit the model's {self.max_positions} positions "
+                "with room for its history; pass shorter pieces."
+            )
+        if self.rotation is None:
+            raise ValueError(
+                f"This memory's history reaches position {int(end.max())}, past the model's {self.max_positions} "
+                "learned absolute positions, which cannot be moved. Start a new cache for this user, or use a model "
+                "with rotary position embeddings (positions are then re-based automatically)."
+            )
+        delta = torch.where(end > self.max_positions, self.rows.next_position - self.max_positions // 2, 0)
+        for index, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                layer.rebase(self.rotation, index, -delta)
+        self.rows = replace(self.rows, next_position=self.rows.next_position - delta)
+        logger.info("Re-based the positions of %d row(s) by up to %d.", int((delta > 0).sum()), int(delta.max()))
+
+    def begin_generation(self) -> None:
+        """Start a `generate()` call: a stream counts its tokens from zero again; memory must be folded first."""
+        if self.streaming is not None:
+            self.turn_tokens = 0
+        elif self.has_unfolded_turn:
+            raise ValueError(
+                "The cache holds a turn that was not folded; call model.compress(cache) before the next generate()."
+            )
+
+    def end_generation(self, generated: torch.Tensor, eos_token_ids: list[int]) -> None:
+        """Record the tokens `generate()` produced: those after a row's first EOS are padding, and the last
+        one is pending (no keys/values yet).
+
+        Args:
+            generated: `(batch, new_tokens)` the generated ids (prompt excluded).
+        """
+        if generated.shape[1] == 0:
+            return
+        rows = self.rows
+        device = rows.next_position.device
+        is_eos = torch.isin(generated, torch.tensor(eos_token_ids, device=generated.device, dtype=generated.dtype))
+        # A token is real up to and including the row's first EOS.
+        real = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).to(device)
+        fed = generated.shape[1] - 1
+        split = rows.turn_mask.shape[1] - fed
+        kept, last = rows.turn_mask[:, :split], rows.turn_mask[:, split:]
+        self.rows = replace(
+            rows,
+            turn_mask=torch.cat([kept, last & real[:, :fed]], dim=1),
+            next_position=rows.next_position - (~real[:, :fed]).sum(-1),
+            pending_ids=generated[:, fed:].to(device),
+            pending_mask=real[:, fed:],
+        )
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending token `(batch, 0 or 1)` and its mask, now handed to the caller to run."""
+        rows = self.rows
+        self.rows = replace(rows, pending_ids=rows.pending_ids[:, :0], pending_mask=rows.pending_mask[:, :0])
+        return rows.pending_ids, rows.pending_mask
+
+    def check_compressible(self) -> None:
+        """Raise for a streaming cache, which compresses by itself."""
+        if self.streaming is not None:
+            raise ValueError(
+                "A streaming cache compresses by itself when its window overflows; feed the text with model(...) "
+                "or model.generate(...) instead of compress()."
+            )
+
+    def fold(self, num_comp_tokens: int, rows: torch.Tensor) -> None:
+        """Turn the last `num_comp_tokens` keys/values (the `<COMP>` block just run) into memory.
+
+        Args:
+            rows: `(batch,)` bool, the rows that had a context; the others keep their memory unchanged.
+        """
+        n, config, state = num_comp_tokens, self.config, self.rows
+        rows = rows.to(state.memory_mask.device)
+        steps = state.steps + rows.long()
+        if config.update == "concat":
+            keep = torch.cat([state.memory_mask, rows[:, None].expand(-1, n)], dim=1)
+            if config.max_memory_tokens is not None:
+                newest_first = keep.flip(-1).long().cumsum(-1).flip(-1)
+                keep = keep & (newest_first <= config.max_memory_tokens)
+            # Each row keeps its own slots, oldest first; the width is the most any row keeps, so a cap bounds
+            # every row (slot order does not matter to attention: keys carry their positions).
+            width = int(keep.sum(dim=1).max())
+            slots = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]
+            for layer in self.layers:
+                layer.fold_concat(n, slots)
+            memory_mask = keep.gather(1, slots)
+        else:
+            coefficient = torch.tensor(
+                [update_coefficient(max(int(step), 1), config) for step in steps.tolist()], device=rows.device
+            )
+            weight = torch.where(rows, coefficient, torch.zeros((), device=rows.device))
+            for layer in self.layers:
+                layer.fold_average(n, weight)
+            owned = rows[:, None].expand(-1, n)
+            memory_mask = owned.clone() if self.memory_length == 0 else state.memory_mask | owned
+        # <COMP> tokens take positions but do not advance the logical position (the "skip" scheme).
+        self.rows = replace(
+            state,
+            memory_mask=memory_mask,
+            turn_mask=state.turn_mask[:, :0],
+            next_position=state.next_position - n,
+            steps=steps,
+        )
+
+    # ----- streaming ---------------------------------------------------------------------------------------------
     def _prepare_stream_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens after everything held, at the next positions; they attend to all of it."""
         streaming = self._streaming()
         self.check_unpadded(new_mask)
         new = new_mask.shape[1]
-        growth = self._window_growth(new)
-        if self.window_length + growth > streaming.window_tokens:
+        layer = self.layers[0]
+        if layer.window_length + layer.window_growth(new) > streaming.window_tokens:
             raise ValueError(
-                f"{new} new tokens do not fit the streaming window ({self.window_length} of "
+                f"{new} new tokens do not fit the streaming window ({layer.window_length} of "
                 f"{streaming.window_tokens} held); run the base model through CCMForCausalLM, which makes room first."
             )
-        held = self.kv_length
+        held = layer.kv_length
         position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
-        mask = _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
-        self.sink_length += new - growth
-        self.window_length += growth
         self.turn_tokens += new
-        return position_ids, mask
+        return position_ids, _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
+
+    def input_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The attention mask that new tokens of a forward keep: a stream takes unpadded input only (checked),
+        so it needs none."""
+        if self.streaming is None or attention_mask is None:
+            return attention_mask
+        self.check_unpadded(attention_mask)
+        return None
 
     def check_unpadded(self, mask: torch.Tensor) -> None:
         """Raise if an attention mask of a streaming input has padding."""
@@ -213,192 +627,83 @@ class CompressedMemoryCache(Cache):
             raise ValueError("This is not a streaming cache; create one with model.new_cache(streaming=...).")
         return self.streaming
 
-    @property
-    def max_forward_tokens(self) -> int:
-        """The most new tokens one forward of a streaming cache takes (CCMForCausalLM splits longer inputs)."""
-        return self._streaming().max_forward_tokens
-
-    def _window_growth(self, new: int) -> int:
-        """How many of `new` tokens go to the window (the others fill the sink)."""
-        return new - min(new, self._streaming().sink_tokens - self.sink_length)
-
-    def start_turn(self) -> None:
-        """Count tokens from zero again (a new generate() call on a stream)."""
-        self.turn_tokens = 0
-
     def needs_compression(self, new: int) -> bool:
-        """Whether the oldest chunk of the window must be compressed before `new` tokens fit."""
-        streaming = self._streaming()
+        """Whether the oldest chunk of the window must be compressed before `new` tokens fit (never for a
+        non-streaming cache)."""
+        if self.streaming is None or not self.streaming.compress:
+            return False
+        layer = self.layers[0]
         return (
-            streaming.compress
-            and self.window_length + self._window_growth(new) > streaming.window_tokens
-            and self.window_length >= streaming.compress_chunk
+            layer.window_length + layer.window_growth(new) > self.streaming.window_tokens
+            and layer.window_length >= self.streaming.compress_chunk
         )
 
     def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
 
         Returns:
-            a `DynamicCache` holding those keys/values (a copy), the `<COMP>` positions `(batch, n_comp)`
-            (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)` bool.
+            a `DynamicCache` holding those keys/values (views of this cache's tensors), the `<COMP>` positions
+            `(batch, n_comp)` (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)`.
         """
-        length = self.sink_length + self.memory_length + self._streaming().compress_chunk
-        prefix = DynamicCache(
-            ddp_cache_data=[(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in self.layers]
-        )
+        layer = self.layers[0]
+        length = layer.sink_length + layer.memory_length + self._streaming().compress_chunk
+        prefix = DynamicCache(ddp_cache_data=[layer.prefix(length) for layer in self.layers])
         n = self.config.num_comp_tokens
-        device = self.layers[0].keys.device
+        device = layer.keys.device
         position_ids = torch.arange(length, length + n, device=device)[None].expand(self.batch_size, -1)
         return prefix, position_ids, _attend_held_then_causal(self.batch_size, length, n, device)
 
     def fold_chunk(self, prefix: DynamicCache) -> None:
         """Put the `<COMP>` keys/values just appended to `prefix` into memory, drop the oldest chunk of the
         window, evict concat memory beyond its cap, and move everything to positions `0..n-1`."""
-        streaming, rotation = self._streaming(), self.rotation
+        streaming, rotation, n = self._streaming(), self.rotation, self.config.num_comp_tokens
         assert rotation is not None
-        n, sink, memory, chunk = (
-            self.config.num_comp_tokens,
-            self.sink_length,
-            self.memory_length,
-            streaming.compress_chunk,
-        )
-        comp_start = sink + memory + chunk
-        self.steps = self.steps + 1
-        concat = self.config.update == "concat"
-        evicted = max(0, memory + n - streaming.max_memory_tokens) if concat else 0
-        weight = update_coefficient(int(self.steps[0]), self.config) if not concat and memory else 1.0
+        memory = self.layers[0].memory_length
+        steps = self.rows.steps + 1
+        if self.config.update == "concat":
+            evicted, weight = max(0, memory + n - streaming.max_memory_tokens), None
+        else:
+            evicted, weight = 0, update_coefficient(int(steps[0]), self.config) if memory else 1.0
         for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
-            comp_keys, comp_values = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
-            keys, values = layer.keys, layer.values
-            sink_keys, memory_keys, rest_keys = (
-                keys[:, :, :sink],
-                keys[:, :, sink : sink + memory],
-                keys[:, :, comp_start:],
-            )
-            memory_values, rest_values = values[:, :, sink : sink + memory], values[:, :, comp_start:]
-            if concat:
-                key_pieces = [(sink_keys, 0), (memory_keys[:, :, evicted:], sink + evicted), (comp_keys, comp_start)]
-                value_pieces = [memory_values[:, :, evicted:], comp_values]
-            else:
-                moved = rotation.shift(index, comp_keys, torch.full((n,), sink - comp_start))
-                if memory:
-                    moved = (1 - weight) * memory_keys + weight * moved
-                    comp_values = (1 - weight) * memory_values + weight * comp_values
-                key_pieces, value_pieces = [(sink_keys, 0), (moved, sink)], [comp_values]
-            layer.keys = rotation.relocate(index, [*key_pieces, (rest_keys, comp_start)])
-            layer.values = torch.cat([values[:, :, :sink], *value_pieces, rest_values], dim=2)
-        slots = memory + n - evicted if concat else n
-        self.memory_mask = torch.ones(self.batch_size, slots, dtype=torch.bool, device=self.memory_mask.device)
-        self.window_length -= chunk
+            comp = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
+            layer.fold_chunk(rotation, index, comp, streaming.compress_chunk, evicted, weight)
+        slots = self.layers[0].memory_length
+        self.rows = replace(
+            self.rows,
+            steps=steps,
+            memory_mask=torch.ones(self.batch_size, slots, dtype=torch.bool, device=self.rows.steps.device),
+        )
 
     def evict(self, new: int) -> None:
         """Drop the oldest window tokens so that `new` more fit (StreamingLLM), moving the rest back."""
-        streaming, rotation = self._streaming(), self.rotation
+        if self.streaming is None:
+            return
+        rotation = self.rotation
         assert rotation is not None
-        excess = self.window_length + self._window_growth(new) - streaming.window_tokens
+        layer = self.layers[0]
+        excess = layer.window_length + layer.window_growth(new) - self.streaming.window_tokens
         if excess <= 0:
             return
-        kept = self.sink_length + self.memory_length
         for index, layer in enumerate(self.layers):
-            layer.keys = rotation.relocate(
-                index, [(layer.keys[:, :, :kept], 0), (layer.keys[:, :, kept + excess :], kept + excess)]
-            )
-            layer.values = torch.cat([layer.values[:, :, :kept], layer.values[:, :, kept + excess :]], dim=2)
-        self.window_length -= excess
+            layer.evict(rotation, index, excess)
 
-    def end_generation(self, generated: torch.Tensor, eos_token_ids: list[int]) -> None:
-        """Record the tokens `generate()` produced: those after a row's first EOS are padding, and the last
-        one is pending (no keys/values yet).
-
-        Args:
-            generated: `(batch, new_tokens)` the generated ids (prompt excluded).
-        """
-        if generated.shape[1] == 0:
-            return
-        is_eos = torch.isin(generated, torch.tensor(eos_token_ids, device=generated.device))
-        # A token is real up to and including the row's first EOS.
-        after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-        real = ~after_eos
-        fed = generated.shape[1] - 1
-        turn = self.turn_mask.clone()
-        turn[:, turn.shape[1] - fed :] &= real[:, :fed].to(turn.device)
-        self.next_position -= (~real[:, :fed]).sum(-1).to(self.next_position.device)
-        self.turn_mask = turn
-        self.pending_ids = generated[:, fed:].to(self.next_position.device)
-        self.pending_mask = real[:, fed:].to(self.next_position.device)
-
-    def clear_pending(self) -> None:
-        """Forget the pending token (once it is run)."""
-        self.pending_ids = self.pending_ids[:, :0]
-        self.pending_mask = self.pending_mask[:, :0]
-
-    def fold(self, num_comp_tokens: int, rows: torch.Tensor) -> None:
-        """Turn the last `num_comp_tokens` keys/values (the `<COMP>` block just run) into memory.
-
-        Args:
-            rows: `(batch,)` bool, the rows that had a context; the others keep their memory unchanged.
-        """
-        n = num_comp_tokens
-        rows = rows.to(self.memory_mask.device)
-        self.steps = self.steps + rows.long()
-        config = self.config
-        if config.update == "concat":
-            keep = torch.cat([self.memory_mask, rows[:, None].expand(-1, n)], dim=1)
-            if config.max_memory_tokens is not None:
-                newest_first = keep.flip(-1).long().cumsum(-1).flip(-1)
-                keep &= newest_first <= config.max_memory_tokens
-            columns = keep.any(dim=0)
-            for layer in self.layers:
-                memory_keys, memory_values = layer.memory()
-                kept = columns.to(layer.keys.device)
-                keys = torch.cat([memory_keys, layer.keys[:, :, -n:]], dim=2)[:, :, kept]
-                values = torch.cat([memory_values, layer.values[:, :, -n:]], dim=2)[:, :, kept]
-                layer.set_memory(keys, values)
-            self.memory_mask = keep[:, columns]
-        else:
-            coefficient = torch.tensor(
-                [update_coefficient(max(int(step), 1), config) for step in self.steps], device=rows.device
-            )
-            weight = torch.where(rows, coefficient, torch.zeros((), device=rows.device))
-            for layer in self.layers:
-                new_keys, new_values = layer.keys[:, :, -n:], layer.values[:, :, -n:]
-                if self.memory_length == 0:
-                    layer.set_memory(new_keys, new_values)
-                    continue
-                a = weight.to(new_keys.device, new_keys.dtype)[:, None, None, None]
-                memory_keys, memory_values = layer.memory()
-                layer.set_memory((1 - a) * memory_keys + a * new_keys, (1 - a) * memory_values + a * new_values)
-            owned = rows[:, None].expand(-1, n)
-            self.memory_mask = owned.clone() if self.memory_length == 0 else self.memory_mask | owned
-        self.turn_mask = self.turn_mask[:, :0]
-        # <COMP> tokens take positions but do not advance the logical position (the "skip" scheme).
-        self.next_position = self.next_position - n
-
-    # ----- batch operations used by generate() ---------------------------------------------------------------
-    def _map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in _ROW_STATE:
-            setattr(self, name, function(getattr(self, name)))
+    # ----- batch operations used by generate() -------------------------------------------------------------------
+    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.rows = self.rows.map(function)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = function(layer.keys), function(layer.values)
+                if layer.accumulated is not None:
+                    layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys.index_select(0, beam_idx.to(layer.keys.device))
-                layer.values = layer.values.index_select(0, beam_idx.to(layer.values.device))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
-                layer.values = layer.values.repeat_interleave(repeats, dim=0)
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda t: t[indices.to(t.device)])
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys[indices.to(layer.keys.device)]
-                layer.values = layer.values[indices.to(layer.values.device)]
+        self._map_batch(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -407,34 +712,25 @@ class CompressedMemoryCache(Cache):
         )
 
     def copy(self) -> CompressedMemoryCache:
-        """A cache with the same content whose tensors can be changed independently."""
-        clone = CompressedMemoryCache(
-            self.config, self.signature, len(self.layers), self.batch_size, self.streaming, self.rotation
-        )
-        for name in _ROW_STATE:
-            setattr(clone, name, getattr(self, name).clone())
-        for name in _STREAM_STATE:
-            setattr(clone, name, getattr(self, name))
-        for source, target in zip(self.layers, clone.layers, strict=True):
-            if source.is_initialized:
-                target.lazy_initialization(source.keys, source.values)
-                target.keys, target.values = source.keys.clone(), source.values.clone()
-                target.memory_length = source.memory_length
+        """A cache with the same content that changes independently (tensors are replaced, never changed, so
+        they are shared until then)."""
+        clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
+        clone.__dict__.update(self.__dict__)
+        clone.layers = []
+        for layer in self.layers:
+            twin = type(layer).__new__(type(layer))
+            twin.__dict__.update(layer.__dict__)
+            clone.layers.append(twin)
         return clone
 
-    # ----- checks ------------------------------------------------------------------------------------------
-    def check_model(self, model: CCMForCausalLM) -> None:
-        """Raise if this cache was made for another base model or adapter configuration."""
-        # Hashing the adapter weights at every forward would cost more than a decoding step; the shapes suffice.
-        expected = model.memory_signature(include_adapter=False)
-        different = sorted(key for key in expected if expected[key] != self.signature.get(key))
-        if different:
-            details = ", ".join(
-                f"{key}: cache {self.signature.get(key)!r} vs model {expected[key]!r}" for key in different
-            )
+    # ----- checks ------------------------------------------------------------------------------------------------
+    def check_signature(self, signature: dict[str, Any]) -> None:
+        """Raise unless `signature` (the model's) is the one this cache was made with."""
+        differences = _differences(self.signature, signature, "cache")
+        if differences:
             raise ValueError(
-                f"This CompressedMemoryCache belongs to another model ({details}). Create the cache with this "
-                "model's new_cache(), or use it with the model that made it."
+                f"This CompressedMemoryCache belongs to another model or adapter ({differences}). Create the cache "
+                "with this model's new_cache(), or use it with the model (and adapter weights) that made it."
             )
 
     def check_batch_size(self, batch_size: int, what: str) -> None:
@@ -445,11 +741,20 @@ class CompressedMemoryCache(Cache):
                 f"pass one row per cache row, or create the cache with new_cache(batch_size={batch_size})."
             )
 
-    def _to(self, device: torch.device) -> None:
-        if self.next_position.device != device:
-            self._map_rows(lambda t: t.to(device))
+    def check_device(self, device: torch.device) -> None:
+        """Raise if the cache's keys/values live on another device than the model."""
+        layer = self.layers[0]
+        if layer.is_initialized and layer.keys.device != device:
+            raise ValueError(
+                f"The cache's keys/values are on {layer.keys.device} but the model is on {device}; keep a cache "
+                "with the model that fills it (save it and load it for the other device)."
+            )
 
-    # ----- persistence -------------------------------------------------------------------------------------
+    def _to(self, device: torch.device) -> None:
+        if self.rows.next_position.device != device:
+            self.rows = self.rows.map(lambda t: t.to(device))
+
+    # ----- persistence -------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the memory to a safetensors file whose header identifies the model and adapter."""
         if self.has_unfolded_turn:
@@ -457,25 +762,36 @@ class CompressedMemoryCache(Cache):
                 "The cache holds an unfolded turn; call model.compress(cache) to fold it into memory before "
                 "saving (only the compressed memory is stored)."
             )
-        tensors = {name: getattr(self, name).contiguous().cpu() for name in ("memory_mask", "next_position", "steps")}
+        rows = self.rows
+        tensors = {
+            "memory_mask": rows.memory_mask,
+            "next_position": rows.next_position,
+            "steps": rows.steps,
+        }
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
-                keys, values = self._held(layer)
-                tensors[f"layers.{index}.keys"] = keys.contiguous().cpu()
-                tensors[f"layers.{index}.values"] = values.contiguous().cpu()
-        metadata = {
-            "format": MEMORY_FORMAT,
-            "format_version": MEMORY_FORMAT_VERSION,
-            "signature": json.dumps(self.signature, sort_keys=True),
-        }
+                tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer.held().items()})
+        header: dict[str, Any] = {"format_version": MEMORY_FORMAT_VERSION, "signature": self.signature}
         if self.streaming is not None:
-            state = {name: getattr(self, name) for name in _STREAM_STATE}
-            metadata["streaming"] = json.dumps({"config": asdict(self.streaming), "state": state})
-        save_file(tensors, os.fspath(path), metadata=metadata)
+            layer = self.layers[0]
+            state = {name: getattr(layer, name) for name in ("sink_length", "memory_length", "window_length")}
+            header["streaming"] = {
+                "config": asdict(self.streaming),
+                "state": {**state, "turn_tokens": self.turn_tokens},
+            }
+        # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
+        metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
+        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()}, os.fspath(path), metadata)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: CCMForCausalLM) -> CompressedMemoryCache:
-        """Read a memory written by `save`, checking that it was made by `model`'s base model and adapter."""
+    def load(cls, path: str | os.PathLike[str], model: CacheSpec | Any) -> CompressedMemoryCache:
+        """Read a memory written by `save` for `model` (a `CCMForCausalLM`, or its `cache_spec()`).
+
+        Everything is checked before a cache is built: the file's format, that it was made by this base model
+        (weights included) and adapter, and every tensor's name, dtype and shape. Any problem raises a
+        `ValueError` that names it.
+        """
+        spec = model if isinstance(model, CacheSpec) else model.cache_spec()
         path = os.fspath(path)
         try:
             with safe_open(path, framework="pt") as file:
@@ -483,37 +799,191 @@ class CompressedMemoryCache(Cache):
                 tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
         except FileNotFoundError:
             raise FileNotFoundError(f"No memory file at {path}.") from None
-        except (SafetensorError, OSError) as error:
+        except (SafetensorError, OSError, RuntimeError, ValueError) as error:
             raise ValueError(f"{path} is not a readable safetensors memory file ({error}).") from None
-        if metadata.get("format") != MEMORY_FORMAT:
-            raise ValueError(f"{path} is a safetensors file but not a transformers-ccm memory (no '{MEMORY_FORMAT}').")
-        if metadata.get("format_version") != MEMORY_FORMAT_VERSION:
+        content = _MemoryFile(path, metadata, tensors, spec)
+        cache = cls(spec, content.batch_size, streaming=content.streaming)
+        device = spec.device
+        cache.rows = replace(
+            cache.rows,
+            memory_mask=tensors["memory_mask"].to(device),
+            next_position=tensors["next_position"].to(device),
+            steps=tensors["steps"].to(device),
+        )
+        for index, layer in enumerate(cache.layers):
+            state = content.layer_state(index)
+            if not state:
+                continue
+            state = {name: tensor.to(device) for name, tensor in state.items()}
+            if content.streaming is not None:
+                layer.restore(state, content.stream_state)
+            else:
+                layer.restore(state)
+        cache.turn_tokens = content.stream_state.get("turn_tokens", 0)
+        return cache
+
+
+class _MemoryFile:
+    """The checked content of a memory file; every check runs in `__init__`, before anything is built."""
+
+    def __init__(self, path: str, metadata: dict[str, str], tensors: dict[str, torch.Tensor], spec: CacheSpec) -> None:
+        self.path, self.tensors, self.spec = path, tensors, spec
+        header = self._header(metadata)
+        version = header.get("format_version")
+        if version not in (MEMORY_FORMAT_VERSION, *_LEGACY_FORMAT_VERSIONS):
             raise ValueError(
-                f"{path} has memory format version {metadata.get('format_version')!r}; this transformers-ccm reads "
-                f"version {MEMORY_FORMAT_VERSION}. Upgrade transformers-ccm."
+                f"{path} has memory format version {version!r}; this transformers-ccm reads versions "
+                f"{[*_LEGACY_FORMAT_VERSIONS, MEMORY_FORMAT_VERSION]}. Upgrade transformers-ccm."
             )
-        differences = _differences(json.loads(metadata["signature"]), model.memory_signature(), "file")
+        signature = header.get("signature")
+        if not isinstance(signature, dict):
+            raise self._fail("its header has no signature")
+        expected = spec.signature if version == MEMORY_FORMAT_VERSION else spec.legacy_signature or {}
+        differences = _differences(signature, expected, "file")
         if differences:
             raise ValueError(f"{path} was made by another model or adapter ({differences}); load it with that model.")
-        streaming = json.loads(metadata.get("streaming", "null"))
-        cache = model.new_cache(
-            batch_size=tensors["next_position"].shape[0],
-            streaming=StreamingConfig(**streaming["config"]) if streaming else None,
-        )
-        for name in ("memory_mask", "next_position", "steps"):
-            setattr(cache, name, tensors[name].to(model.device))
-        for name, value in (streaming["state"] if streaming else {}).items():
-            setattr(cache, name, value)
-        for index, layer in enumerate(cache.layers):
-            if f"layers.{index}.keys" in tensors:
-                keys = tensors[f"layers.{index}.keys"].to(model.device)
-                values = tensors[f"layers.{index}.values"].to(model.device)
-                if streaming:
-                    layer.lazy_initialization(keys, values)
-                    layer.keys, layer.values = keys, values
-                else:
-                    layer.set_memory(keys, values)
-        return cache
+        if version != MEMORY_FORMAT_VERSION:
+            logger.warning(
+                "%s has memory format version %s, which did not record the base weights; it is accepted because "
+                "its adapter and base shapes match. Save it again to write version %s.",
+                path,
+                version,
+                MEMORY_FORMAT_VERSION,
+            )
+        self.streaming, self.stream_state = self._streaming(header.get("streaming"))
+        self._check_rows()
+        self._check_layers()
+
+    def _fail(self, problem: str) -> ValueError:
+        return ValueError(f"{self.path} is not a valid memory file: {problem}. Save the memory again.")
+
+    def _header(self, metadata: dict[str, str]) -> dict[str, Any]:
+        """The header as one dict: version 2 keeps it in one JSON entry, version 1 in several."""
+        if MEMORY_FORMAT in metadata:
+            return self._json(metadata[MEMORY_FORMAT], "header")
+        if metadata.get("format") != MEMORY_FORMAT:
+            raise ValueError(
+                f"{self.path} is a safetensors file but not a transformers-ccm memory (no '{MEMORY_FORMAT}')."
+            )
+        header: dict[str, Any] = {"format_version": metadata.get("format_version")}
+        for key in ("signature", "streaming"):
+            if key in metadata:
+                header[key] = self._json(metadata[key], key)
+        return header
+
+    def _json(self, text: str, what: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise self._fail(f"its {what} is not JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise self._fail(f"its {what} is a {type(value).__name__}, not an object")
+        return value
+
+    def _streaming(self, content: Any) -> tuple[StreamingConfig | None, dict[str, int]]:
+        if content is None:
+            return None, {}
+        try:
+            streaming = StreamingConfig(**content["config"])
+            streaming.validate(self.spec.config, self.spec.max_positions)
+            state = {name: content["state"][name] for name in ("sink_length", "window_length", "turn_tokens")}
+        except (KeyError, TypeError, ValueError) as error:
+            raise self._fail(f"its streaming header is wrong ({error!r})") from None
+        if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in state.values()):
+            raise self._fail(f"its streaming lengths {state} are not integers >= 0")
+        if state["sink_length"] > streaming.sink_tokens or state["window_length"] > streaming.window_tokens:
+            raise self._fail(f"its streaming lengths {state} exceed the sizes {asdict(streaming)}")
+        mask = self.tensors.get("memory_mask")
+        state["memory_length"] = mask.shape[-1] if mask is not None and mask.ndim == 2 else 0
+        return streaming, state
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors["next_position"].shape[0]
+
+    def _tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise self._fail(f"the tensor '{name}' is missing")
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise self._fail(
+                f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected {dtype} of shape {shape}"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise self._fail(f"'{name}' holds values that are not finite")
+        return tensor
+
+    def _check_rows(self) -> None:
+        positions = self.tensors.get("next_position")
+        if positions is None or positions.ndim != 1 or positions.shape[0] < 1:
+            raise self._fail("'next_position' must be a non-empty 1-D tensor (one entry per user)")
+        batch = self.batch_size
+        mask = self.tensors.get("memory_mask")
+        width = mask.shape[-1] if mask is not None and mask.ndim == 2 else -1
+        self._tensor("memory_mask", torch.bool, (batch, width))
+        self._tensor("next_position", torch.long, (batch,))
+        steps = self._tensor("steps", torch.long, (batch,))
+        if bool((positions < 0).any()) or bool((steps < 0).any()):
+            raise self._fail("'next_position' and 'steps' must be >= 0")
+        config, n = self.spec.config, self.spec.config.num_comp_tokens
+        if self.streaming is not None:
+            most = self.streaming.memory_slots(config)
+        elif config.update == "concat":
+            most = config.max_memory_tokens if config.max_memory_tokens is not None else width
+        else:
+            most = n
+        if width > most or (config.update != "concat" and width not in (0, n)):
+            raise self._fail(f"it holds {width} memory slots, more than this adapter's memory can ({most})")
+        if bool((mask.sum(dim=1) > most).any()):
+            raise self._fail(f"a row owns more than {most} memory slots")
+
+    def _check_layers(self) -> None:
+        spec, batch, memory = self.spec, self.batch_size, self.tensors["memory_mask"].shape[1]
+        length = memory
+        if self.streaming is not None:
+            length = self.stream_state["sink_length"] + memory + self.stream_state["window_length"]
+        known = {"memory_mask", "next_position", "steps"}
+        for index in range(spec.num_layers):
+            if length == 0:
+                continue
+            expected = {
+                "keys": (spec.dtype, (batch, spec.kv_heads, length, spec.head_dim)),
+                "values": (spec.dtype, (batch, spec.kv_heads, length, spec.head_dim)),
+            }
+            if f"layers.{index}.accumulated_keys" in self.tensors:
+                slots = (batch, spec.kv_heads, memory, spec.head_dim)
+                expected.update(accumulated_keys=(torch.float32, slots), accumulated_values=(torch.float32, slots))
+            for name, (dtype, shape) in expected.items():
+                self._tensor(f"layers.{index}.{name}", dtype, shape)
+                known.add(f"layers.{index}.{name}")
+        unknown = sorted(set(self.tensors) - known)
+        if unknown:
+            raise self._fail(f"it holds unexpected tensors {unknown[:4]}")
+
+    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{index}."
+        return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+
+def _float_average(
+    accumulated: tuple[torch.Tensor, torch.Tensor] | None, memory: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The float32 merge/EMA average to update: the one kept, else the memory held (loaded from a file, or
+    already float32), else None (no memory yet)."""
+    if accumulated is not None:
+        return accumulated
+    return None if memory is None else (memory[0].float(), memory[1].float())
+
+
+# ----- masks -----------------------------------------------------------------------------------------------------
+def _attend_past_then_causal(past: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+    """`(batch, 1, new, past + new)` bool: each new token sees the `past` `(batch, past)` slots marked True and
+    the real new tokens up to itself; a padding query sees itself, so that no softmax row is empty."""
+    new = new_mask.shape[1]
+    device = new_mask.device
+    own = torch.ones(new, new, dtype=torch.bool, device=device).tril() & new_mask[:, None, :]
+    own = own | torch.eye(new, dtype=torch.bool, device=device)
+    return torch.cat([past[:, None, :].expand(-1, new, -1), own], dim=-1)[:, None]
 
 
 def _attend_held_then_causal(batch_size: int, held: int, new: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The conditional LoRA: PEFT's LoRA layers, gated per token so that only `<COMP>` positions see them.
 
-PEFT computes `W x + B A dropout(x) * scaling`; a forward pre-hook on every `lora_A` multiplies its input
-by the `<COMP>` mask, so the LoRA branch is exactly zero at every other position (`A 0 = 0`, no bias).
+The LoRA branch `B A dropout(m x) * scaling` is added with `m` the `<COMP>` mask of the running call, so it is
+exactly zero at every other position (`A 0 = 0`, no bias). The mask is per call, never stored on the model.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from transformers.pytorch_utils import Conv1D
 from transformers_ccm.config import CCMConfig
 
 ADAPTER_NAME = "default"
+# The forward keyword argument that carries the `<COMP>` mask of a call, `(batch, seq)` bool.
+COMP_MASK_KWARG = "ccm_comp_mask"
 
 
 def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -68,58 +72,101 @@ def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
     return [module for module in model.modules() if isinstance(module, LoraLayer)]
 
 
-class LoRAGate:
-    """Restricts the LoRA to the tokens of a mask while the `active` context is open.
+@dataclass(frozen=True)
+class _GateState:
+    """Where the LoRA acts in the current call: at `mask` (`(batch, seq)` bool), nowhere when `suppressed`."""
 
-    Outside the context the LoRA layers are switched off (PEFT's base-layer-only path), so the model is exactly
-    its base model and pays nothing for the adapter; inside, a pre-hook on `lora_A` zeroes its input away from
-    the mask.
+    mask: torch.Tensor | None = None
+    suppressed: bool = False
+    outer: _GateState | None = None  # the state an attention layer restores once its forward ends
+
+
+# Per thread and per asyncio task: one model serves concurrent calls, each with its own <COMP> mask.
+_GATE: ContextVar[_GateState] = ContextVar("ccm_lora_gate", default=_GateState())  # noqa: B039 (frozen)
+
+
+class LoRAGate:
+    """Runs the LoRA only where the current call asks for it; nothing on the model changes per call.
+
+    PEFT's own LoRA path stays switched off, so outside a `<COMP>` run the model is exactly its base model and
+    pays nothing for the adapter. A forward hook on every LoRA layer adds `B A dropout(m x) * scaling`, with
+    `m` the `<COMP>` mask of the running call. The mask reaches the hook in one of two per-call ways:
+
+    - the forward keyword argument `ccm_comp_mask` (`(batch, seq)` bool), which transformers hands down to
+      every attention layer; a pre-hook there makes it current while that layer runs, so gradient
+      checkpointing, which re-runs a layer with the same arguments during backward, sees it again (this covers
+      LoRA layers inside attention, the default targets);
+    - `active(mask)`, a context manager local to the calling thread or task.
+
+    With `conditional=False` (the unconditional ablation) the LoRA acts at every position.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._mask: torch.Tensor | None = None
-        self._suppressed = False
-        self._layers = lora_layers(model)
-        self._handles = [
-            layer.lora_A[ADAPTER_NAME].register_forward_pre_hook(self._gate_input) for layer in self._layers
-        ]
-        if not self._handles:
+    def __init__(self, model: torch.nn.Module, conditional: bool) -> None:
+        self.conditional = conditional
+        layers = lora_layers(model)
+        if not layers:
             raise TypeError(f"{type(model).__name__} has no LoRA layers to gate.")
-        self._switch()
+        for layer in layers:
+            layer._disable_adapters = True  # set once: PEFT's path never runs the adapter, these hooks do
+        self._handles = [layer.register_forward_hook(self._add_lora) for layer in layers]
+        for attention in attention_modules(model).values():
+            self._handles.append(attention.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
+            self._handles.append(attention.register_forward_hook(self._leave_layer, with_kwargs=True, always_call=True))
 
-    def _switch(self) -> None:
-        # PEFT's own flag, set without enable_adapters(): that would also clear requires_grad, and autograd drops
-        # the gradients of a leaf that stops requiring them between a forward and its backward.
-        off = self._mask is None or self._suppressed
-        for layer in self._layers:
-            layer._disable_adapters = off
+    def _add_lora(self, layer: LoraLayer, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        state = _GATE.get()
+        if state.suppressed or (self.conditional and state.mask is None):
+            return None
+        x = args[0]
+        lora_A, lora_B = layer.lora_A[ADAPTER_NAME], layer.lora_B[ADAPTER_NAME]
+        x = x.to(lora_A.weight.dtype)
+        if self.conditional:
+            x = x * state.mask[..., None].to(x.dtype)
+        delta = lora_B(lora_A(layer.lora_dropout[ADAPTER_NAME](x))) * layer.scaling[ADAPTER_NAME]
+        return output + delta.to(output.dtype)
 
-    def _gate_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        (hidden,) = args
-        if self._mask is None:  # only if something else switched the layers on
-            return (torch.zeros_like(hidden),)
-        return (hidden * self._mask[..., None].to(hidden.dtype),)
+    @staticmethod
+    def _enter_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get(COMP_MASK_KWARG)
+        if mask is not None:
+            state = _GATE.get()
+            _GATE.set(_GateState(mask, state.suppressed, outer=state))
 
-    def active(self, token_mask: torch.Tensor) -> AbstractContextManager[None]:
-        """Apply the LoRA only where `token_mask` (`(batch, seq)` bool) is True."""
-        return self._state(token_mask, self._suppressed)
+    @staticmethod
+    def _leave_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if kwargs.get(COMP_MASK_KWARG) is not None:
+            outer = _GATE.get().outer
+            _GATE.set(outer if outer is not None else _GateState())
 
-    def suppressed(self) -> AbstractContextManager[None]:
-        """No LoRA at all, even inside `active` (the base model alone)."""
-        return self._state(self._mask, True)
+    @staticmethod
+    def active(token_mask: torch.Tensor) -> AbstractContextManager[None]:
+        """Apply the LoRA only where `token_mask` (`(batch, seq)` bool) is True, in this thread or task."""
+        return _gate_state(mask=token_mask)
 
-    @contextmanager
-    def _state(self, mask: torch.Tensor | None, suppressed: bool) -> Iterator[None]:
-        previous = self._mask, self._suppressed
-        self._mask, self._suppressed = mask, suppressed
-        self._switch()
-        try:
-            yield
-        finally:
-            self._mask, self._suppressed = previous
-            self._switch()
+    @staticmethod
+    def suppressed() -> AbstractContextManager[None]:
+        """No LoRA at all in this thread or task, even inside `active` (the base model alone)."""
+        return _gate_state(suppressed=True)
+
+    @staticmethod
+    def scope() -> AbstractContextManager[None]:
+        """A call's scope: whatever its layers' hooks left behind (an interrupt skips their clean-up) is undone
+        when it ends."""
+        return _gate_state()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+@contextmanager
+def _gate_state(mask: torch.Tensor | None = None, suppressed: bool = False) -> Iterator[None]:
+    current = _GATE.get()
+    token = _GATE.set(
+        _GateState(mask if mask is not None else current.mask, suppressed or current.suppressed, current.outer)
+    )
+    try:
+        yield
+    finally:
+        _GATE.reset(token)

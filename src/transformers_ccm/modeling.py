@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +21,7 @@ from transformers_ccm.attention import (
     register_ccm_attention,
     wrapped_implementation,
 )
-from transformers_ccm.cache import CompressedMemoryCache
+from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.embedded import load_base_config, load_base_model, resolve_name
 from transformers_ccm.hub import (
@@ -33,7 +32,8 @@ from transformers_ccm.hub import (
     resolve_adapter,
     save_adapter,
 )
-from transformers_ccm.lora import LoRAGate, attention_modules, inject_lora, lora_layers
+from transformers_ccm.identity import adapter_digest, weights_fingerprint
+from transformers_ccm.lora import COMP_MASK_KWARG, LoRAGate, attention_modules, inject_lora, lora_layers
 from transformers_ccm.masks import block_attention, comp_ranks
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
@@ -72,7 +72,10 @@ class CCMForCausalLM(nn.Module):
             layer.lora_A.requires_grad_(True)
             layer.lora_B.requires_grad_(True)
         self.comp_embeddings = nn.Parameter(_initial_comp_embeddings(base_model, config.num_comp_tokens))
-        self._gate = LoRAGate(base_model) if config.conditional_lora else None
+        self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
+        self._rotation = KeyRotation.of_model(base_model)
+        # Digests of the adapter and base weights, each with the parameter versions it was computed at.
+        self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
         _use_ccm_attention(base_model)
         base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
 
@@ -115,31 +118,14 @@ class CCMForCausalLM(nn.Module):
         comp = self.comp_embeddings[comp_ranks(comp_mask, self.config.num_comp_tokens)].to(ordinary.dtype)
         return torch.where(comp_mask[..., None], comp, ordinary)
 
-    @contextlib.contextmanager
-    def lora_at(self, comp_mask: torch.Tensor) -> Iterator[None]:
-        """Within the context, the LoRA acts at the `<COMP>` positions of `comp_mask` `(batch, seq)` only
-        (everywhere when `conditional_lora=False`)."""
-        if self._gate is None:
-            yield
-        else:
-            with self._gate.active(comp_mask):
-                yield
+    def lora_at(self, comp_mask: torch.Tensor) -> AbstractContextManager[None]:
+        """Within the context, in this thread or task, the LoRA acts at the `<COMP>` positions of `comp_mask`
+        `(batch, seq)` only (everywhere when `conditional_lora=False`)."""
+        return self._gate.active(comp_mask)
 
-    @contextlib.contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """Within the context the model is exactly its base model (no LoRA anywhere)."""
-        if self._gate is not None:
-            with self._gate.suppressed():
-                yield
-            return
-        layers = lora_layers(self.base_model)
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+    def adapter_disabled(self) -> AbstractContextManager[None]:
+        """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere)."""
+        return self._gate.suppressed()
 
     def forward(
         self,
@@ -162,8 +148,8 @@ class CCMForCausalLM(nn.Module):
             past_key_values: online only: the memory to attend to; the new tokens join its current turn.
             attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
         """
-        if isinstance(past_key_values, CompressedMemoryCache) and past_key_values.streaming is not None:
-            return self._stream_forward(past_key_values, input_ids, labels, attention_mask, **kwargs)
+        if isinstance(past_key_values, CompressedMemoryCache):
+            return self._online_forward(past_key_values, input_ids, attention_mask, labels, **kwargs)
         if past_key_values is not None:
             return self.base_model(
                 input_ids=input_ids,
@@ -178,6 +164,8 @@ class CCMForCausalLM(nn.Module):
                 "batch); for online inference pass past_key_values=model.new_cache(...)."
             )
         plan = block_attention(segment_ids, comp_mask, self.config)
+        # The mask travels with the call, so that gradient checkpointing's recomputation sees it too; the context
+        # covers LoRA layers outside the decoder layers, if any were targeted.
         with self.lora_at(comp_mask):
             return self.base_model(
                 inputs_embeds=self.embed(input_ids, comp_mask),
@@ -186,24 +174,31 @@ class CCMForCausalLM(nn.Module):
                 labels=labels,
                 use_cache=False,
                 ccm_memory_mix=plan.memory_mix,
+                **{COMP_MASK_KWARG: comp_mask},
                 **kwargs,
             )
 
     # ----- online inference --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int = 1, streaming: StreamingConfig | None = None) -> CompressedMemoryCache:
         """An empty memory for `batch_size` users, or with `streaming` an empty bounded stream per row."""
-        rotation = None
-        if streaming is not None:
-            text_config = self.base_model.config.get_text_config(decoder=True)
-            streaming.validate(self.config, getattr(text_config, "max_position_embeddings", None))
-            rotation = KeyRotation.of_model(self.base_model)
-        return CompressedMemoryCache(
-            self.config,
-            self.memory_signature(),
-            self.base_model.config.num_hidden_layers,
-            batch_size,
-            streaming=streaming,
-            rotation=rotation,
+        return CompressedMemoryCache(self.cache_spec(), batch_size, streaming=streaming)
+
+    def cache_spec(self) -> CacheSpec:
+        """What this model's caches need to know of it (shapes, positions, rotary frequencies, signature)."""
+        text_config = self.base_model.config.get_text_config(decoder=True)
+        heads = text_config.num_attention_heads
+        signature = self.memory_signature()
+        return CacheSpec(
+            config=self.config,
+            signature=signature,
+            num_layers=text_config.num_hidden_layers,
+            kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+            dtype=self.dtype,
+            device=self.device,
+            rotation=self._rotation,
+            max_positions=getattr(text_config, "max_position_embeddings", None),
+            legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
         )
 
     @torch.no_grad()
@@ -217,54 +212,63 @@ class CCMForCausalLM(nn.Module):
 
         The context `c(t)` is the cache's current turn (what `generate()` produced, never re-encoded) followed by
         `context_ids`. Only those of its tokens without keys/values yet run, then the `<COMP>` block; the turn is
-        then replaced by the `<COMP>` keys/values according to the update rule.
+        then replaced by the `<COMP>` keys/values according to the update rule. If anything fails, the cache is
+        left as it was.
 
         Args:
             context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
-        cache.check_model(self)
-        if cache.streaming is not None:
-            raise ValueError(
-                "A streaming cache compresses by itself when its window overflows; feed the text with model(...) "
-                "or model.generate(...) instead of compress()."
-            )
-        ids, mask = cache.pending_ids, cache.pending_mask
-        if context_ids is not None:
-            context_ids = torch.as_tensor(context_ids, device=ids.device)
-            context_ids = context_ids[None] if context_ids.ndim == 1 else context_ids
-            cache.check_batch_size(context_ids.shape[0], "context_ids")
-            if context_ids.shape[1] == 0:
-                raise ValueError("context_ids is empty: pass at least one token, or None to fold the current turn.")
-            context_mask = torch.ones_like(context_ids, dtype=torch.bool)
-            if attention_mask is not None:
-                if attention_mask.shape != context_ids.shape:
-                    raise ValueError(
-                        f"attention_mask has shape {tuple(attention_mask.shape)} but context_ids "
-                        f"{tuple(context_ids.shape)}; give one mask entry per context token."
-                    )
-                context_mask = attention_mask.to(ids.device).bool()
-            ids, mask = torch.cat([ids, context_ids], dim=1), torch.cat([mask, context_mask], dim=1)
-        rows = cache.turn_mask.any(dim=1) | mask.any(dim=1)
+        self._check_cache(cache)
+        cache.check_compressible()
+        context, context_mask = self._context(cache, context_ids, attention_mask)
+        pending_mask = cache.pending_mask.to(context_mask.device)
+        rows = cache.turn_mask.any(dim=1).to(context_mask.device) | pending_mask.any(dim=1) | context_mask.any(dim=1)
         if not rows.any():
             raise ValueError(
                 "Nothing to compress: the context is empty and the cache holds no turn to fold. Pass context_ids "
                 "with at least one token."
             )
-        cache.clear_pending()
-        n, batch = self.config.num_comp_tokens, cache.batch_size
-        device = self.device
-        ordinary = self.base_model.get_input_embeddings()(ids.to(device))
-        comp = self.comp_embeddings[None].expand(batch, n, -1).to(ordinary.dtype)
-        is_comp = torch.cat([torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool)], dim=1).to(device)
-        with self.lora_at(is_comp):
-            self.base_model(
-                inputs_embeds=torch.cat([ordinary, comp], dim=1),
-                attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool)], dim=1).to(device),
-                past_key_values=cache,
-                logits_to_keep=1,
+        n, batch, device = self.config.num_comp_tokens, cache.batch_size, self.device
+        with cache.transaction():
+            pending_ids, pending_mask = cache.take_pending()
+            ids = torch.cat([pending_ids.to(device), context.to(device)], dim=1)
+            mask = torch.cat([pending_mask.to(device), context_mask.to(device)], dim=1)
+            ordinary = self.base_model.get_input_embeddings()(ids)
+            comp = self.comp_embeddings[None].expand(batch, n, -1).to(ordinary.dtype)
+            is_comp = torch.cat([torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1)
+            with self.lora_at(is_comp):
+                self.base_model(
+                    inputs_embeds=torch.cat([ordinary, comp], dim=1),
+                    attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1),
+                    past_key_values=cache,
+                    logits_to_keep=1,
+                )
+            cache.fold(n, rows)
+
+    def _context(
+        self, cache: CompressedMemoryCache, context_ids: Any, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked context `(batch, len)` and its mask (empty when there is none)."""
+        if context_ids is None:
+            empty = torch.zeros(cache.batch_size, 0, dtype=torch.long)
+            return empty, empty.bool()
+        context_ids = torch.as_tensor(context_ids)
+        context_ids = context_ids[None] if context_ids.ndim == 1 else context_ids
+        if context_ids.ndim != 2:
+            raise ValueError(f"context_ids must be 1-D or 2-D (batch, len), got shape {tuple(context_ids.shape)}.")
+        cache.check_batch_size(context_ids.shape[0], "context_ids")
+        if context_ids.shape[1] == 0:
+            raise ValueError("context_ids is empty: pass at least one token, or None to fold the current turn.")
+        self._check_ids(context_ids, "context_ids")
+        if attention_mask is None:
+            return context_ids, torch.ones_like(context_ids, dtype=torch.bool)
+        if attention_mask.shape != context_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but context_ids {tuple(context_ids.shape)}; "
+                "give one mask entry per context token."
             )
-        cache.fold(n, rows)
+        return context_ids, attention_mask.to(context_ids.device).bool()
 
     @torch.no_grad()
     def generate(
@@ -278,73 +282,99 @@ class CCMForCausalLM(nn.Module):
 
         Every generation mode and argument of transformers works (greedy, sampling, beam search, streamers,
         stopping criteria). The turn stays in the cache for `compress(cache)` to fold; with several returned
-        sequences per row the caller picks one and compresses it with `compress(cache, ids)`.
+        sequences per row the caller picks one and compresses it with `compress(cache, ids)`. If generation
+        fails, the cache is left as it was.
         """
         cache = past_key_values if past_key_values is not None else self.new_cache(input_ids.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
-        cache.check_model(self)
+        self._check_cache(cache)
         cache.check_batch_size(input_ids.shape[0], "input_ids")
-        if cache.streaming is not None:
-            cache.start_turn()
-        elif cache.has_unfolded_turn:
-            raise ValueError(
-                "The cache holds a turn that was not folded; call model.compress(cache) before the next generate()."
-            )
+        self._check_ids(input_ids, "input_ids")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         generation_config = kwargs.get("generation_config") or self.base_model.generation_config
         num_beams = kwargs.get("num_beams") or generation_config.num_beams or 1
         num_sequences = kwargs.get("num_return_sequences") or generation_config.num_return_sequences or 1
         expand = max(num_beams, num_sequences)
-        run_cache = cache
-        if expand > 1:  # generate() expands the inputs, not a given cache
-            run_cache = cache.copy()
-            run_cache.batch_repeat_interleave(expand)
-        output = self.base_model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=run_cache, **kwargs
-        )
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        if num_sequences > 1:
-            return output
-        generated = sequences[:, input_ids.shape[1] :]
-        if cache.streaming is not None:  # the stream holds every token, the last generated one included
-            self.base_model(
-                input_ids=sequences if expand > 1 else generated[:, -1:], past_key_values=cache, logits_to_keep=1
+        with cache.transaction(), self._gate.scope():
+            cache.begin_generation()
+            run_cache = cache
+            if expand > 1:  # generate() expands the inputs, not a given cache
+                run_cache = cache.copy()
+                run_cache.batch_repeat_interleave(expand)
+            output = self.base_model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, past_key_values=run_cache, **kwargs
             )
-            return output
-        if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
-            turn = torch.cat([input_ids, generated[:, :-1]], dim=1)
-            self.base_model(
-                input_ids=turn,
-                attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
-                past_key_values=cache,
-                logits_to_keep=1,
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            if num_sequences > 1:
+                return output
+            generated = sequences[:, input_ids.shape[1] :]
+            if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
+                self.base_model(
+                    input_ids=sequences if expand > 1 else generated[:, -1:], past_key_values=cache, logits_to_keep=1
+                )
+                return output
+            if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
+                self.base_model(
+                    input_ids=torch.cat([input_ids, generated[:, :-1]], dim=1),
+                    attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
+                    past_key_values=cache,
+                    logits_to_keep=1,
+                )
+            eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
+            cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        return output
+
+    def _online_forward(
+        self,
+        cache: CompressedMemoryCache,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """New tokens of the turn (or of a stream, in pieces the window can take): logits `(batch, len, vocab)`."""
+        self._check_cache(cache)
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
+        if tokens is None:
+            raise ValueError("An online forward takes input_ids (or inputs_embeds).")
+        if input_ids is not None:
+            self._check_ids(input_ids, "input_ids")
+        cache.check_batch_size(tokens.shape[0], name)
+        with cache.transaction(), self._gate.scope():
+            step = cache.max_forward_tokens
+            if step is None or tokens.shape[1] <= step:
+                return self.base_model(
+                    **{name: tokens}, attention_mask=attention_mask, past_key_values=cache, labels=labels, **kwargs
+                )
+            cache.input_mask(attention_mask)
+            logits = [
+                self.base_model(**{name: piece}, past_key_values=cache, **kwargs).logits
+                for piece in tokens.split(step, dim=1)
+            ]
+        output = CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
+        if labels is not None:
+            output.loss = self.base_model.loss_function(
+                logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
             )
-        eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
-        cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
         return output
 
     def _online_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Forward pre-hook of the base model: with a `CompressedMemoryCache`, the cache decides the mask and the
-        logical positions."""
+        logical positions. Runs at every decoding step, so it does only what the step needs."""
         cache = kwargs.get("past_key_values")
         if not isinstance(cache, CompressedMemoryCache):
             return None
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
-        cache.check_model(self)
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
-        tokens = kwargs[name]
-        mask = kwargs.get("attention_mask")
-        if cache.streaming is not None:
-            if mask is not None:
-                cache.check_unpadded(mask)
-            tokens = kwargs[name] = self._stream_leading_pieces(cache, name, tokens)
-            self._make_room(cache, tokens.shape[1])
-            mask = None
+        mask = cache.input_mask(kwargs.get("attention_mask"))
+        tokens = kwargs[name] = self._run_leading_pieces(cache, name, kwargs[name])
+        self._make_room(cache, tokens.shape[1])
         new = tokens.shape[1]
         if mask is None:
             new_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
@@ -359,43 +389,19 @@ class CCMForCausalLM(nn.Module):
         kwargs.update(attention_mask=attention, position_ids=position_ids, use_cache=True)
         return args, kwargs
 
-    # ----- streaming ----------------------------------------------------------------------------------------
-    def _stream_forward(
-        self,
-        cache: CompressedMemoryCache,
-        input_ids: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """Feed a stream in pieces the window can take; logits `(batch, len, vocab)` of every token."""
-        if input_ids is None:
-            raise ValueError("A streaming forward takes input_ids.")
-        if attention_mask is not None:
-            cache.check_unpadded(attention_mask)
-        logits = [
-            self.base_model(input_ids=piece, past_key_values=cache, **kwargs).logits
-            for piece in input_ids.split(cache.max_forward_tokens, dim=1)
-        ]
-        output = CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
-        if labels is not None:
-            output.loss = self.base_model.loss_function(
-                logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
-            )
-        return output
-
-    def _stream_leading_pieces(self, cache: CompressedMemoryCache, name: str, tokens: torch.Tensor) -> torch.Tensor:
-        """Run all but the last piece of an input too long for one forward (a long prompt given to generate());
-        returns the last piece. `tokens`: `(batch, len)` ids or `(batch, len, hidden)` embeddings."""
-        if tokens.shape[1] <= cache.max_forward_tokens:
+    def _run_leading_pieces(self, cache: CompressedMemoryCache, name: str, tokens: torch.Tensor) -> torch.Tensor:
+        """Run all but the last piece of an input too long for one forward (a long prompt given to generate() on
+        a stream); returns the last piece. `tokens`: `(batch, len)` ids or `(batch, len, hidden)` embeddings."""
+        step = cache.max_forward_tokens
+        if step is None or tokens.shape[1] <= step:
             return tokens
-        pieces = tokens.split(cache.max_forward_tokens, dim=1)
+        pieces = tokens.split(step, dim=1)
         for piece in pieces[:-1]:
             self.base_model(**{name: piece}, past_key_values=cache, logits_to_keep=1)
         return pieces[-1]
 
     def _make_room(self, cache: CompressedMemoryCache, new: int) -> None:
-        """Compress (or, for StreamingLLM, evict) the oldest window tokens until `new` more fit."""
+        """Compress (or, for StreamingLLM, evict) the oldest window tokens of a stream until `new` more fit."""
         while cache.needs_compression(new):
             prefix, position_ids, mask = cache.compression_prefix()
             batch, n = position_ids.shape
@@ -412,9 +418,15 @@ class CCMForCausalLM(nn.Module):
             cache.fold_chunk(prefix)
         cache.evict(new)
 
-    def memory_signature(self, include_adapter: bool = True) -> dict[str, Any]:
-        """What a compressed memory depends on: base model, shapes, update rule and (hashed) adapter weights."""
-        signature = {
+    # ----- identity -----------------------------------------------------------------------------------------
+    def memory_signature(self) -> dict[str, Any]:
+        """What a compressed memory depends on: the base model (name, shape, dtype and a fingerprint of every
+        weight), the update rule, and a hash of every adapter tensor by name.
+
+        Digests are recomputed only after a weight changed (tracked by tensor version counters), so asking at
+        every call is cheap.
+        """
+        return {
             "base_model": self.config.base_model_name_or_path,
             **base_shape(self.base_model.config),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -422,15 +434,52 @@ class CCMForCausalLM(nn.Module):
             "num_comp_tokens": self.config.num_comp_tokens,
             "max_memory_tokens": self.config.max_memory_tokens,
             "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
+            "adapter_sha256": self._digest("adapter", self._adapter_parameters(), adapter_digest),
+            "base_fingerprint": self._digest("base", self._base_parameters(), weights_fingerprint),
         }
-        if include_adapter:
-            digest = hashlib.sha256()
-            for name, parameter in sorted(self.named_parameters()):
-                if parameter.requires_grad:
-                    digest.update(name.encode())
-                    digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            signature["adapter_sha256"] = digest.hexdigest()
-        return signature
+
+    def _adapter_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return sorted(
+            (name, parameter)
+            for name, parameter in self.named_parameters()
+            if name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name
+        )
+
+    def _base_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return sorted(
+            (name, parameter)
+            for name, parameter in self.base_model.named_parameters()
+            if ".lora_A." not in name and ".lora_B." not in name
+        )
+
+    def _digest(
+        self,
+        kind: str,
+        parameters: list[tuple[str, torch.Tensor]],
+        compute: Callable[[list[tuple[str, torch.Tensor]]], str],
+    ) -> str:
+        key = tuple((id(parameter), parameter._version) for _, parameter in parameters)
+        cached = self._digests.get(kind)
+        if cached is None or cached[0] != key:
+            cached = self._digests[kind] = key, compute(parameters)
+        return cached[1]
+
+    def _check_cache(self, cache: CompressedMemoryCache) -> None:
+        """Raise unless `cache` was made by this model, with these weights, and lives on its device."""
+        cache.check_signature(self.memory_signature())
+        cache.check_device(self.device)
+
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        """Raise if `ids` are not integer token ids of this model's vocabulary (checked before anything runs)."""
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}.")
+        vocabulary = self.base_model.get_input_embeddings().num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(
+                f"{what} holds the token id {bad}, outside the model's vocabulary (0..{vocabulary - 1}); tokenize with "
+                "this model's tokenizer."
+            )
 
     # ----- adapters as files --------------------------------------------------------------------------------
     def lora_state_dict(self) -> dict[str, torch.Tensor]:

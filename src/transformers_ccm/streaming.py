@@ -103,15 +103,12 @@ class KeyRotation:
         self.inverse_frequencies = [frequencies.float() for frequencies in inverse_frequencies]
 
     @classmethod
-    def of_model(cls, model: PreTrainedModel) -> KeyRotation:
-        """Read the frequencies of every layer from the model's rotary embedding module."""
+    def of_model(cls, model: PreTrainedModel) -> KeyRotation | None:
+        """Read the frequencies of every layer from the model's rotary embedding module (None if it has none:
+        its positions are then added to the hidden states and cannot be moved)."""
         rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
         if rotary is None:
-            raise TypeError(
-                f"Streaming reassigns positions inside the cache, which needs rotary position embeddings; "
-                f"{type(model).__name__} has none (its positions are added to the hidden states). Use a rotary model "
-                "or a non-streaming cache."
-            )
+            return None
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         frequencies = []
@@ -121,11 +118,14 @@ class KeyRotation:
         return cls(frequencies)
 
     def shift(self, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate keys `(batch, kv_heads, len, head_dim)` by `delta` `(len,)` positions each."""
+        """Rotate keys `(batch, kv_heads, len, head_dim)` by `delta` positions each: `(len,)`, the same for every
+        row, or `(batch, len)`."""
         frequencies = self.inverse_frequencies[layer_idx].to(keys.device)
         rotary_dim = 2 * frequencies.shape[0]
-        angles = delta.to(keys.device, torch.float)[:, None] * frequencies[None]
+        angles = delta.to(keys.device, torch.float)[..., None] * frequencies
         angles = torch.cat([angles, angles], dim=-1)
+        if delta.ndim == 2:
+            angles = angles[:, None]
         rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
         rotated = rotated * angles.cos() + _rotate_half(rotated) * angles.sin()
         return torch.cat([rotated.to(keys.dtype), rest], dim=-1)

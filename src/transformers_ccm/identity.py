@@ -1,0 +1,52 @@
+"""Identities of weights: what a compressed memory records so that only the model that made it accepts it.
+
+`adapter_digest` hashes every adapter tensor by name, whatever its `requires_grad`. `weights_fingerprint`
+covers every element of every base weight with two exact integer sums over the raw bits (so it is the same
+on any device and in any reduction order), without the cost of a cryptographic hash of gigabytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_CHUNK = 1 << 22
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Position weights of the second sum (a prime modulus keeps the products far from int64 overflow).
+_MODULUS = 65521
+
+
+def adapter_digest(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors, in the order given, over their names and exact bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in tensors:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over each named tensor's name, shape, dtype and two integer sums of its raw bits: their plain
+    sum and their sum weighted by position (which tells permutations apart). Tensors on the meta device (not
+    loaded) count by name, shape and dtype only."""
+    digest = hashlib.sha256()
+    sums = []
+    for name, tensor in tensors:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        if tensor.device.type != "meta" and tensor.numel():
+            sums.append(_bit_sums(tensor.detach()))
+    if sums:
+        digest.update(torch.stack(sums).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _bit_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """`(2,)` int64: the sum of the tensor's raw bits read as integers, and their position-weighted sum."""
+    bits = tensor.reshape(-1).contiguous().view(_INTEGER_OF_SIZE[tensor.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].long()
+        weights = torch.arange(start, start + chunk.numel(), device=tensor.device) % _MODULUS + 1
+        total += torch.stack([chunk.sum(), (chunk * weights).sum()])
+    return total

@@ -1,0 +1,387 @@
+"""Serving: one model, many caches, several threads; failed calls; gradient checkpointing; numerics and bounds."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
+from transformers_ccm.lora import lora_layers
+
+CONTEXTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+def _user_session(model: CCMForCausalLM, seed: int) -> list[torch.Tensor]:
+    """One user's calls: compress contexts, generate, fold the turn, score with the memory."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache()
+    outputs = []
+    for context in CONTEXTS:
+        model.compress(cache, torch.tensor([context]) + seed % 7)
+    prompt = torch.randint(3, VOCAB, (1, 4), generator=generator)
+    outputs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=5, do_sample=False))
+    model.compress(cache)
+    with torch.no_grad():
+        outputs.append(model(input_ids=prompt, past_key_values=cache).logits)
+    outputs.extend(layer.keys for layer in cache.layers)
+    return outputs
+
+
+def _training_score(model: CCMForCausalLM, seed: int) -> list[torch.Tensor]:
+    """A parallel-forward loss and logits (the gate is on at <COMP> positions only)."""
+    shift = seed % 11
+    batch = CCMDataCollator(model)([OnlineSample([[5 + shift, 6, 7], [8, 9]], [10, 11], [12 + shift, 13])])
+    with torch.no_grad():
+        out = model(**batch)
+    return [out.loss, out.logits]
+
+
+def _base_score(model: CCMForCausalLM, seed: int) -> list[torch.Tensor]:
+    """The base model alone, through adapter_disabled."""
+    with torch.no_grad(), model.adapter_disabled():
+        return [model.base_model(input_ids=torch.tensor([[5, 6, 7, 8 + seed % 5]])).logits]
+
+
+JOBS = (_user_session, _training_score, _base_score)
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_threads_mixing_compress_generate_and_scoring_give_sequential_results(update):
+    model = tiny_ccm("llama", update=update)
+    work = [(JOBS[index % len(JOBS)], index) for index in range(36)]
+    expected = [job(model, seed) for job, seed in work]
+    for _ in range(3):
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            results = list(pool.map(lambda item: item[0](model, item[1]), work))
+        for (job, seed), got, want in zip(work, results, expected, strict=True):
+            assert len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), f"{job.__name__} (seed {seed}) differs when run among other threads"
+
+
+def test_lora_runs_only_in_comp_runs_and_never_while_disabled():
+    model = tiny_ccm("llama")
+    calls = []
+    handles = [
+        layer.lora_A["default"].register_forward_hook(lambda *_: calls.append(1))
+        for layer in lora_layers(model.base_model)
+    ]
+    try:
+        cache = model.new_cache()
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+        assert len(calls) == len(handles)  # once per LoRA layer: the <COMP> run
+        calls.clear()
+        model.generate(torch.tensor([[8, 9]]), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert not calls  # decoding ordinary tokens never runs the adapter
+        with model.adapter_disabled(), model.lora_at(torch.ones(1, 2, dtype=torch.bool)), torch.no_grad():
+            model.base_model(input_ids=torch.tensor([[5, 6]]))
+        assert not calls
+        with model.lora_at(torch.ones(1, 2, dtype=torch.bool)), torch.no_grad():
+            model.base_model(input_ids=torch.tensor([[5, 6]]))
+        assert len(calls) == len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_gate_state_does_not_leak_into_other_threads():
+    model = tiny_ccm("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        plain = model.base_model(input_ids=ids).logits
+    inside, seen = threading.Event(), []
+
+    def other_thread() -> None:
+        inside.wait()
+        with torch.no_grad():
+            seen.append(model.base_model(input_ids=ids).logits)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with model.lora_at(torch.ones(1, 3, dtype=torch.bool)), torch.no_grad():
+        gated = model.base_model(input_ids=ids).logits
+        inside.set()
+        thread.join()
+    assert (gated - plain).abs().max() > 1e-3
+    assert torch.equal(seen[0], plain)
+
+
+# ----- failures --------------------------------------------------------------------------------------------------
+class _Boom(RuntimeError):
+    pass
+
+
+def _fail_in_layer(model: CCMForCausalLM, layer: int, after_calls: int) -> torch.utils.hooks.RemovableHandle:
+    """Make decoder layer `layer` raise on its `after_calls`-th call (an injected fault, as an OOM would)."""
+    block = model.base_model.model.layers[layer]
+    count = [0]
+
+    def hook(*_: object) -> None:
+        count[0] += 1
+        if count[0] > after_calls:
+            raise _Boom("injected failure")
+
+    return block.register_forward_pre_hook(hook)
+
+
+def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
+    cache = model.new_cache(batch)
+    model.compress(cache, torch.tensor([[5, 6, 7]] * batch))
+    model.compress(cache, torch.tensor([[8, 9, 10]] * batch))
+    return cache
+
+
+def _saved_bytes(cache: CompressedMemoryCache, path) -> bytes:
+    cache.save(path)
+    return path.read_bytes()
+
+
+CALLS = {
+    "compress": lambda model, cache: model.compress(cache, torch.tensor([[11, 12], [13, 14]])),
+    "generate": lambda model, cache: model.generate(
+        torch.tensor([[20, 21], [22, 23]]), past_key_values=cache, max_new_tokens=4, do_sample=False
+    ),
+    "forward": lambda model, cache: model(input_ids=torch.tensor([[20, 21], [22, 23]]), past_key_values=cache),
+    "beam search": lambda model, cache: model.generate(
+        torch.tensor([[20, 21], [22, 23]]), past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+    ),
+}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    call=st.sampled_from(sorted(CALLS)),
+    update=st.sampled_from(["concat", "merge"]),
+    layer=st.integers(0, 1),
+    after_calls=st.integers(0, 3),
+)
+def test_injected_failure_leaves_saved_cache_bytes_unchanged(tmp_path, call, update, layer, after_calls):
+    model = tiny_ccm("llama", update=update)
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    handle = _fail_in_layer(model, layer, after_calls)
+    try:
+        try:
+            CALLS[call](model, cache)
+            failed = False
+        except _Boom:
+            failed = True
+    finally:
+        handle.remove()
+    if failed:
+        assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+        CALLS[call](model, cache)  # and the cache still works
+
+
+def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
+    model = tiny_ccm("llama", update="merge")
+    failed, clean = _filled(model), _filled(model)
+    model.generate(torch.tensor([[20, 21], [22, 23]]), past_key_values=failed, max_new_tokens=3, do_sample=False)
+    model.generate(torch.tensor([[20, 21], [22, 23]]), past_key_values=clean, max_new_tokens=3, do_sample=False)
+    handle = _fail_in_layer(model, 1, 0)
+    with pytest.raises(_Boom):
+        model.compress(failed, torch.tensor([[30, 31], [32, 33]]))
+    handle.remove()
+    model.compress(failed, torch.tensor([[30, 31], [32, 33]]))
+    model.compress(clean, torch.tensor([[30, 31], [32, 33]]))
+    assert _saved_bytes(failed, tmp_path / "a.safetensors") == _saved_bytes(clean, tmp_path / "b.safetensors")
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -1, 10_000])
+def test_out_of_vocabulary_ids_are_refused_before_anything_runs(tmp_path, bad):
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    for call in (
+        lambda: model.compress(cache, torch.tensor([[5, bad], [6, 7]])),
+        lambda: model.generate(torch.tensor([[5, 6], [bad, 7]]), past_key_values=cache, max_new_tokens=2),
+        lambda: model(input_ids=torch.tensor([[5, 6], [7, bad]]), past_key_values=cache),
+    ):
+        with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary \(0\.\.{VOCAB - 1}\)"):
+            call()
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+def test_an_interrupt_leaves_the_cache_as_it_was(tmp_path):
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    block = model.base_model.model.layers[1]
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    handle = block.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model.compress(cache, torch.tensor([[11, 12], [13, 14]]))
+    handle.remove()
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+# ----- gradient checkpointing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradients_with_and_without_checkpointing_agree(architecture, use_reentrant):
+    def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig(lora_dropout=0.0)))
+        model.train()
+        if checkpointing:
+            model.base_model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+        batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])] * 2)
+        model(**batch).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        assert checkpointed[name] is not None, f"{name} gets no gradient under checkpointing"
+        assert torch.allclose(grad, checkpointed[name], atol=1e-5), name
+    assert any(grad.abs().sum() > 0 for name, grad in plain.items() if "lora_B" in name)
+
+
+# ----- identity --------------------------------------------------------------------------------------------------
+def test_freezing_the_adapter_does_not_change_its_identity(tmp_path):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    cache = _filled(model)
+    cache.save(tmp_path / "user.safetensors")
+    model.requires_grad_(False)
+    CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+    other = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), seed=5)
+    other.requires_grad_(False)
+    with pytest.raises(ValueError, match="adapter_sha256"):
+        CompressedMemoryCache.load(tmp_path / "user.safetensors", other)
+
+
+def test_memory_from_another_base_of_the_same_shape_is_refused(tmp_path):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama", seed=0), CCMConfig()))
+    other_base = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama", seed=1), CCMConfig()))
+    cache = _filled(model)
+    cache.save(tmp_path / "user.safetensors")
+    with pytest.raises(ValueError, match="base_fingerprint"):
+        CompressedMemoryCache.load(tmp_path / "user.safetensors", other_base)
+    with pytest.raises(ValueError, match=r"belongs to another model or adapter .*base_fingerprint"):
+        other_base.compress(cache, torch.tensor([[5, 6], [7, 8]]))
+
+
+def test_a_live_cache_is_refused_once_the_adapter_changed():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    cache = _filled(model)
+    with torch.no_grad():
+        model.comp_embeddings.add_(0.1)
+    with pytest.raises(ValueError, match="adapter_sha256"):
+        model.generate(torch.tensor([[5], [6]]), past_key_values=cache, max_new_tokens=2)
+
+
+def test_a_single_changed_base_weight_changes_the_fingerprint():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    before = model.memory_signature()["base_fingerprint"]
+    with torch.no_grad():
+        model.base_model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-3
+    assert model.memory_signature()["base_fingerprint"] != before
+
+
+# ----- numerics and bounds ---------------------------------------------------------------------------------------
+def test_bf16_merge_memory_stays_close_to_fp32_after_1000_turns():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge")))
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    caches = {model: model.new_cache(), half: half.new_cache()}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(1000):
+        context = torch.randint(3, VOCAB, (1, 3), generator=generator)
+        for each, cache in caches.items():
+            each.compress(cache, context)
+    for full, low in zip(caches[model].layers, caches[half].layers, strict=True):
+        reference = full.keys.float()
+        error = (low.keys.float() - reference).norm() / reference.norm()
+        assert error < 0.03, f"bf16 merge memory is {error:.1%} away from fp32"
+
+
+@settings(max_examples=10, deadline=None)
+@given(cap=st.integers(2, 6), steps=st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=1, max_size=8))
+def test_the_concat_cap_bounds_every_row(cap, steps):
+    model = tiny_ccm("llama", max_memory_tokens=cap)
+    cache = model.new_cache(4)
+    for rows in steps:
+        if not any(rows):
+            continue
+        model.compress(cache, torch.tensor([[5, 6]] * 4), attention_mask=torch.tensor([[r, r] for r in rows]))
+        assert cache.memory_length <= cap
+        assert all(layer.keys.shape[2] <= cap for layer in cache.layers)
+
+
+def test_four_users_with_cap_four_hold_four_slots_each():
+    model = tiny_ccm("llama", max_memory_tokens=4)
+    cache = model.new_cache(4)
+    for user in range(4):  # each user in turn, so that no two users' slots line up
+        for _ in range(3):
+            mask = torch.zeros(4, 2, dtype=torch.long)
+            mask[user] = 1
+            model.compress(cache, torch.tensor([[5, 6]] * 4), attention_mask=mask)
+    assert cache.memory_length == 4
+    assert cache.memory_mask.sum(dim=1).tolist() == [4, 4, 4, 4]
+
+
+def test_compaction_keeps_each_rows_memory_exact():
+    model = tiny_ccm("llama", max_memory_tokens=4)
+    together = model.new_cache(2)
+    alone = [model.new_cache(1), model.new_cache(1)]
+    schedule = [[1, 0], [1, 1], [0, 1], [0, 1], [1, 0], [0, 1]]
+    for step, rows in enumerate(schedule):
+        context = torch.tensor([[5 + step, 6], [7, 8 + step]])
+        model.compress(together, context, attention_mask=torch.tensor([[r, r] for r in rows]))
+        for row, present in enumerate(rows):
+            if present:
+                model.compress(alone[row], context[row : row + 1])
+    prompt = torch.tensor([[20, 21], [22, 23]])
+    with torch.no_grad():
+        batched = model(input_ids=prompt, past_key_values=together).logits
+        for row in range(2):
+            single = model(input_ids=prompt[row : row + 1], past_key_values=alone[row]).logits
+            assert torch.allclose(batched[row], single[0], atol=1e-5)
+
+
+def test_gpt2_history_past_its_positions_is_refused_with_the_fix():
+    model = tiny_ccm("gpt2")
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match=r"learned absolute positions, which cannot be moved\. Start a new cache"):
+        for _ in range(200):
+            model.compress(cache, torch.tensor([list(range(3, 60))]))
+    model.compress(cache, torch.tensor([[5, 6]]))  # the failed call left a usable cache
+
+
+def test_rotary_positions_are_rebased_exactly():
+    """A model with 64 positions and its twin with 512 agree on a history of several hundred tokens."""
+    short = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    long_base = tiny_base("llama")
+    long_base.config.max_position_embeddings = 512
+    long = randomize_adapter(CCMForCausalLM.from_base(long_base, CCMConfig()))
+    long.load_state_dict(short.state_dict())
+    short.base_model.config.max_position_embeddings = 64
+    caches = short.new_cache(), long.new_cache()
+    for step in range(12):
+        context = torch.tensor([list(range(3 + step, 23 + step))])
+        for model, cache in zip((short, long), caches, strict=True):
+            model.compress(cache, context)
+    assert int(caches[0].next_position[0]) <= 64 < int(caches[1].next_position[0])
+    prompt = torch.tensor([[20, 21, 22]])
+    outputs = [
+        model.generate(
+            prompt,
+            past_key_values=cache,
+            max_new_tokens=5,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        for model, cache in zip((short, long), caches, strict=True)
+    ]
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    for a, b in zip(outputs[0].logits, outputs[1].logits, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
