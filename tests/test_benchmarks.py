@@ -189,3 +189,16 @@ def test_command_line_on_a_config(tmp_path, capsys):
     assert written["memory"]["slope_slots"]["ccm-merge"] == pytest.approx(0, abs=1e-9)
     assert (output / "summary.md").is_file() and (output / "memory.png").is_file()
     assert "KV memory held" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("architecture", ["llama", "llama-eager"])
+def test_decode_step_compares_equal_kv_and_equal_outputs(architecture):
+    from benchmarks import decode_step
+
+    model = tiny_ccm(architecture)
+    cases = decode_step.step_cases(model, kv_length=24)
+    with torch.no_grad():
+        assert torch.allclose(cases["dynamic_cache"](), cases["ccm"](), atol=1e-5)
+        report = decode_step.run(model, [8, 24], **FAST)
+    assert [row["kv_length"] for row in report["steps"]] == [8, 24]
+    assert all(row["ratio"] > 0 for row in report["steps"])

@@ -58,6 +58,8 @@ class CacheSpec:
             compressed memory uses it to re-base positions that would pass `max_positions`.
         max_positions: the model's maximum number of positions, if it has one.
         legacy_signature: the signature memory files of format version 1 recorded for this model.
+        mask_free_decoding: whether a forward of one token that sees every held position may go without an
+            attention mask (the model's sdpa mask code then picks its fastest kernel; not with sliding layers).
     """
 
     config: CCMConfig
@@ -70,6 +72,7 @@ class CacheSpec:
     rotation: KeyRotation | None = None
     max_positions: int | None = None
     legacy_signature: dict[str, Any] | None = None
+    mask_free_decoding: bool = False
 
 
 # ----- per-row state ---------------------------------------------------------------------------------------------
@@ -452,7 +455,7 @@ class CompressedMemoryCache(Cache):
             raise
 
     # ----- the online forward ------------------------------------------------------------------------------------
-    def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Register `new_mask.shape[1]` new tokens of the turn and describe how they attend.
 
         Args:
@@ -460,7 +463,8 @@ class CompressedMemoryCache(Cache):
 
         Returns:
             position_ids `(batch, new)` (logical positions) and the attention mask
-            `(batch, 1, new, held + new)` bool.
+            `(batch, 1, new, held + new)` bool, or None for one token that sees everything held (when the
+            model's own mask code handles that case; see `CacheSpec.mask_free_decoding`).
         """
         self.check_batch_size(new_mask.shape[0], "the input")
         self._to(new_mask.device)
@@ -470,7 +474,9 @@ class CompressedMemoryCache(Cache):
         self._fit_positions(counts)
         rows = self.rows
         position_ids = (rows.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
-        mask = _attend_past_then_causal(torch.cat([rows.memory_mask, rows.turn_mask], dim=1), new_mask)
+        past = torch.cat([rows.memory_mask, rows.turn_mask], dim=1)
+        sees_everything = self.spec.mask_free_decoding and new_mask.shape[1] == 1 and bool(new_mask.all() & past.all())
+        mask = None if sees_everything else _attend_past_then_causal(past, new_mask)
         self.rows = replace(
             rows, turn_mask=torch.cat([rows.turn_mask, new_mask], dim=1), next_position=rows.next_position + counts
         )
@@ -604,6 +610,8 @@ class CompressedMemoryCache(Cache):
         held = layer.kv_length
         position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
         self.turn_tokens += new
+        if self.spec.mask_free_decoding and new == 1:
+            return position_ids, None
         return position_ids, _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
 
     def input_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -199,6 +199,8 @@ class CCMForCausalLM(nn.Module):
             rotation=self._rotation,
             max_positions=getattr(text_config, "max_position_embeddings", None),
             legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
+            mask_free_decoding=wrapped_implementation(self.base_model.config._attn_implementation) == "sdpa"
+            and not _has_sliding_layers(text_config),
         )
 
     @torch.no_grad()
@@ -641,6 +643,14 @@ def _check_supported(model: PreTrainedModel) -> None:
             model.config.model_type,
             ", ".join(TESTED_MODEL_TYPES),
         )
+
+
+def _has_sliding_layers(config: PretrainedConfig) -> bool:
+    """Whether some attention layers see a sliding window only (their mask is never skipped)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any("sliding" in str(layer_type) for layer_type in layer_types)
+    return getattr(config, "sliding_window", None) is not None
 
 
 def _use_ccm_attention(model: PreTrainedModel) -> None:
