@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CONFIG_NAME = "ccm_config.json"
 FORMAT_VERSION = 1
@@ -139,3 +142,15 @@ def _number(value: object) -> bool:
 def _check(value: object, name: str, allowed: str, ok: Any) -> None:
     if not ok(value):
         raise ValueError(f"CCMConfig.{name} must be {allowed}, got {value!r}.")
+
+
+def base_shape(config: PretrainedConfig) -> dict[str, Any]:
+    """The architecture and sizes an adapter or a memory depends on."""
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+    }

@@ -10,22 +10,21 @@ Layout of a saved adapter (never the base weights, never pickle):
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HFValidationError
+from peft import LoraConfig
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from transformers_ccm.config import CONFIG_NAME, CCMConfig
-
-if TYPE_CHECKING:
-    from transformers_ccm.modeling import CCMForCausalLM
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -65,20 +64,29 @@ model.compress(cache)   # fold the turn into memory
 """
 
 
-def save_adapter(model: CCMForCausalLM, save_directory: str | os.PathLike[str], repo_id: str | None = None) -> None:
-    """Write the adapter files of `model` into `save_directory`; the model card tells to load it by `repo_id`
-    (default: `ccm:<name>` inside the package's adapters folder, else the folder's path)."""
+def save_adapter(
+    save_directory: str | os.PathLike[str],
+    config: CCMConfig,
+    lora_config: LoraConfig,
+    tensors: dict[str, torch.Tensor],
+    repo_id: str | None = None,
+) -> None:
+    """Write an adapter's files into `save_directory`: `config`, PEFT's `lora_config` (a copy records the base
+    model; the given one is left as it is) and `tensors` (PEFT key names without prefix, and
+    `COMP_EMBEDDINGS_KEY`). The model card tells to load it by `repo_id` (default: `ccm:<name>` inside the
+    package's adapters folder, else the folder's path)."""
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    lora_config = model.base_model.peft_config["default"]
+    lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
     lora_config.task_type = "CAUSAL_LM"
     lora_config.save_pretrained(str(folder))
-    tensors = {PEFT_PREFIX + key: value.detach().contiguous().cpu() for key, value in model.lora_state_dict().items()}
-    tensors[COMP_EMBEDDINGS_KEY] = model.comp_embeddings.detach().contiguous().cpu()
-    save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    prefixed = {
+        (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value.detach().contiguous().cpu()
+        for key, value in tensors.items()
+    }
+    save_file(prefixed, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     config.save_pretrained(folder)
     if repo_id is None:
         shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
@@ -199,20 +207,23 @@ def check_base_shape(config: CCMConfig, base_name: str, base_shape: dict[str, An
 
 
 def push_adapter(
-    model: CCMForCausalLM,
     repo_id: str,
+    config: CCMConfig,
+    lora_config: LoraConfig,
+    tensors: dict[str, torch.Tensor],
     private: bool | None = None,
     commit_message: str | None = None,
     token: str | bool | None = None,
 ) -> Any:
-    """Create `repo_id` if needed and upload the adapter files in one commit. Returns the commit info."""
+    """Create `repo_id` if needed and upload an adapter's files (see `save_adapter`) in one commit. Returns the
+    commit info."""
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     with tempfile.TemporaryDirectory() as folder:
-        save_adapter(model, folder, repo_id=repo_id)
+        save_adapter(folder, config, lora_config, tensors, repo_id=repo_id)
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=folder,
-            commit_message=commit_message or f"Upload CCM-{model.config.update} adapter",
+            commit_message=commit_message or f"Upload CCM-{config.update} adapter",
             repo_type="model",
         )

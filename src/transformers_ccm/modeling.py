@@ -10,7 +10,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -22,16 +21,10 @@ from transformers_ccm.attention import (
     wrapped_implementation,
 )
 from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
-from transformers_ccm.config import CCMConfig
-from transformers_ccm.embedded import load_base_config, load_base_model, resolve_name
-from transformers_ccm.hub import (
-    COMP_EMBEDDINGS_KEY,
-    check_base_shape,
-    push_adapter,
-    read_adapter,
-    resolve_adapter,
-    save_adapter,
-)
+from transformers_ccm.config import CCMConfig, base_shape
+from transformers_ccm.embedded import load_base_model
+from transformers_ccm.hub import check_base_shape
+from transformers_ccm.hub_mixin import AdapterHubMixin
 from transformers_ccm.identity import adapter_digest, weights_fingerprint
 from transformers_ccm.lora import COMP_MASK_KWARG, LoRAGate, attention_modules, inject_lora, lora_layers
 from transformers_ccm.masks import block_attention, comp_ranks
@@ -53,11 +46,11 @@ TESTED_MODEL_TYPES = (
 )
 
 
-class CCMForCausalLM(nn.Module):
+class CCMForCausalLM(AdapterHubMixin, nn.Module):
     """A causal LM that compresses contexts into the keys/values of `<COMP>` tokens.
 
     The base model's weights are frozen; only the LoRA layers and `comp_embeddings` (`(n_comp, hidden)`)
-    train. Build one with `from_base`.
+    train. Build one with `from_base`, or load a saved adapter with `from_pretrained` (`AdapterHubMixin`).
     """
 
     def __init__(self, base_model: PreTrainedModel, config: CCMConfig) -> None:
@@ -483,118 +476,6 @@ class CCMForCausalLM(nn.Module):
                 "this model's tokenizer."
             )
 
-    # ----- adapters as files --------------------------------------------------------------------------------
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA weights under PEFT's key names (without the adapter name)."""
-        # CCM never resizes embeddings, so PEFT need not look up the base config (a network call) to check.
-        return get_peft_model_state_dict(self.base_model, adapter_name="default", save_embedding_layers=False)
-
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
-        """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base."""
-        save_adapter(self, save_directory)
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        private: bool | None = None,
-        commit_message: str | None = None,
-        token: str | bool | None = None,
-    ) -> Any:
-        """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit."""
-        return push_adapter(self, repo_id, private=private, commit_message=commit_message, token=token)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str | os.PathLike[str],
-        base_model: str | os.PathLike[str] | PreTrainedModel | None = None,
-        revision: str | None = None,
-        token: str | bool | None = None,
-        torch_dtype: torch.dtype | str | None = None,
-        device_map: str | dict[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        **base_kwargs: Any,
-    ) -> CCMForCausalLM:
-        """Load an adapter from a local folder or a Hub repo, with its base model.
-
-        The base model is the one named in `ccm_config.json` (at its recorded revision) unless `base_model`
-        (a path, Hub id or loaded model) is given. Its architecture and sizes are checked against the adapter
-        before any weight is loaded. `base_kwargs` go to the base model's `from_pretrained`.
-        """
-        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
-        config, tensors = read_adapter(folder)
-        if isinstance(base_model, PreTrainedModel):
-            if torch_dtype is not None or device_map is not None or base_kwargs:
-                raise TypeError(
-                    "torch_dtype, device_map and loading arguments apply only when the base is loaded here."
-                )
-            base = base_model
-        else:
-            base_name = resolve_name(base_model) if base_model is not None else config.base_model_name_or_path
-            if base_name is None:
-                raise ValueError(f"The adapter at {folder} names no base model; pass base_model=.")
-            options = {
-                "revision": config.base_model_revision if base_model is None else None,
-                "token": token,
-                "cache_dir": cache_dir,
-            }
-            options = {key: value for key, value in options.items() if value is not None}
-            base_config = load_base_config(base_name, **options, **base_kwargs)
-            check_base_shape(config, base_name, base_shape(base_config))
-            loading = {"dtype": torch_dtype, "device_map": device_map}
-            base = load_base_model(
-                base_name, **options, **{k: v for k, v in loading.items() if v is not None}, **base_kwargs
-            )
-        model = cls(base, config)
-        model._load_adapter_weights(tensors, folder)
-        return model
-
-    def load_adapter(
-        self,
-        name_or_path: str | os.PathLike[str],
-        revision: str | None = None,
-        token: str | bool | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-    ) -> None:
-        """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
-        length); its update rule comes along. Nothing changes if anything does not match."""
-        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
-        config, tensors = read_adapter(folder)
-        check_base_shape(
-            config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
-        )
-        structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
-        different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
-        if different:
-            details = ", ".join(
-                f"{n}: adapter {getattr(config, n)!r} vs model {getattr(self.config, n)!r}" for n in different
-            )
-            raise ValueError(
-                f"The adapter at {folder} has another structure ({details}); load it with "
-                "CCMForCausalLM.from_pretrained instead."
-            )
-        self._load_adapter_weights(tensors, folder)
-        self.config = replace(config, base_model_shape=self.config.base_model_shape)
-
-    def _load_adapter_weights(self, tensors: dict[str, torch.Tensor], source: os.PathLike[str]) -> None:
-        """Check every name and shape first, then copy: a mismatch leaves the model untouched."""
-        expected = {**self.lora_state_dict(), COMP_EMBEDDINGS_KEY: self.comp_embeddings}
-        missing = sorted(expected.keys() - tensors.keys())
-        unexpected = sorted(tensors.keys() - expected.keys())
-        wrong = sorted(k for k in expected.keys() & tensors.keys() if tensors[k].shape != expected[k].shape)
-        if missing or unexpected or wrong:
-            problems = [
-                f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
-                for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                if names
-            ]
-            raise ValueError(f"The adapter weights in {source} do not fit this model ({'; '.join(problems)}).")
-        with torch.no_grad():
-            set_peft_model_state_dict(
-                self.base_model, {k: v for k, v in tensors.items() if k != COMP_EMBEDDINGS_KEY}, adapter_name="default"
-            )
-            self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
-
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters of the base model, its LoRA and the `<COMP>` embeddings (as `PreTrainedModel` counts)."""
         comp = 0 if exclude_embeddings else self.comp_embeddings.numel()
@@ -605,18 +486,6 @@ class CCMForCausalLM(nn.Module):
     def print_trainable_parameters(self) -> None:
         trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
-
-
-def base_shape(config: PretrainedConfig) -> dict[str, Any]:
-    """The architecture and sizes an adapter or a memory depends on."""
-    return {
-        "model_type": config.model_type,
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "vocab_size": config.vocab_size,
-    }
 
 
 def _check_supported(model: PreTrainedModel) -> None:

@@ -1,0 +1,162 @@
+"""Adapter I/O for `CCMForCausalLM`: save, share and load adapters as PEFT-format files (see `hub.py`).
+
+The file formats and the Hub live in `hub.py`, which takes data only; this mixin gives the model the methods
+users know from transformers and PEFT: `save_pretrained`, `push_to_hub`, `from_pretrained`, `load_adapter`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+from transformers import PreTrainedModel
+
+from transformers_ccm.config import CCMConfig, base_shape
+from transformers_ccm.embedded import load_base_config, load_base_model, resolve_name
+from transformers_ccm.hub import (
+    COMP_EMBEDDINGS_KEY,
+    check_base_shape,
+    push_adapter,
+    read_adapter,
+    resolve_adapter,
+    save_adapter,
+)
+from transformers_ccm.lora import ADAPTER_NAME
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class AdapterHubMixin:
+    """Adapter files for a model with `config` (`CCMConfig`), `base_model` (with PEFT LoRA layers) and
+    `comp_embeddings`; `cls(base_model, config)` builds one."""
+
+    config: CCMConfig
+    base_model: PreTrainedModel
+    comp_embeddings: nn.Parameter
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights under PEFT's key names (without the adapter name)."""
+        # CCM never resizes embeddings, so PEFT need not look up the base config (a network call) to check.
+        return get_peft_model_state_dict(self.base_model, adapter_name=ADAPTER_NAME, save_embedding_layers=False)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """Every adapter tensor as saved: the LoRA under PEFT's key names and the `<COMP>` embeddings."""
+        return {**self.lora_state_dict(), COMP_EMBEDDINGS_KEY: self.comp_embeddings}
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
+        """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base."""
+        save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool | None = None,
+        commit_message: str | None = None,
+        token: str | bool | None = None,
+    ) -> Any:
+        """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit."""
+        return push_adapter(
+            repo_id,
+            self.config,
+            self.base_model.peft_config[ADAPTER_NAME],
+            self.adapter_tensors(),
+            private=private,
+            commit_message=commit_message,
+            token=token,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike[str],
+        base_model: str | os.PathLike[str] | PreTrainedModel | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        **base_kwargs: Any,
+    ) -> Self:
+        """Load an adapter from a local folder or a Hub repo, with its base model.
+
+        The base model is the one named in `ccm_config.json` (at its recorded revision) unless `base_model`
+        (a path, Hub id or loaded model) is given. Its architecture and sizes are checked against the adapter
+        before any weight is loaded. `base_kwargs` go to the base model's `from_pretrained`.
+        """
+        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
+        config, tensors = read_adapter(folder)
+        if isinstance(base_model, PreTrainedModel):
+            if torch_dtype is not None or device_map is not None or base_kwargs:
+                raise TypeError(
+                    "torch_dtype, device_map and loading arguments apply only when the base is loaded here."
+                )
+            base = base_model
+        else:
+            base_name = resolve_name(base_model) if base_model is not None else config.base_model_name_or_path
+            if base_name is None:
+                raise ValueError(f"The adapter at {folder} names no base model; pass base_model=.")
+            options = {
+                "revision": config.base_model_revision if base_model is None else None,
+                "token": token,
+                "cache_dir": cache_dir,
+            }
+            options = {key: value for key, value in options.items() if value is not None}
+            base_config = load_base_config(base_name, **options, **base_kwargs)
+            check_base_shape(config, base_name, base_shape(base_config))
+            loading = {"dtype": torch_dtype, "device_map": device_map}
+            base = load_base_model(
+                base_name, **options, **{k: v for k, v in loading.items() if v is not None}, **base_kwargs
+            )
+        model = cls(base, config)  # type: ignore[call-arg]
+        model._load_adapter_weights(tensors, folder)
+        return model
+
+    def load_adapter(
+        self,
+        name_or_path: str | os.PathLike[str],
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
+        length); its update rule comes along. Nothing changes if anything does not match."""
+        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
+        config, tensors = read_adapter(folder)
+        check_base_shape(
+            config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
+        )
+        structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
+        different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
+        if different:
+            details = ", ".join(
+                f"{n}: adapter {getattr(config, n)!r} vs model {getattr(self.config, n)!r}" for n in different
+            )
+            raise ValueError(
+                f"The adapter at {folder} has another structure ({details}); load it with "
+                "CCMForCausalLM.from_pretrained instead."
+            )
+        self._load_adapter_weights(tensors, folder)
+        self.config = replace(config, base_model_shape=self.config.base_model_shape)
+
+    def _load_adapter_weights(self, tensors: dict[str, torch.Tensor], source: os.PathLike[str]) -> None:
+        """Check every name and shape first, then copy: a mismatch leaves the model untouched."""
+        expected = self.adapter_tensors()
+        missing = sorted(expected.keys() - tensors.keys())
+        unexpected = sorted(tensors.keys() - expected.keys())
+        wrong = sorted(k for k in expected.keys() & tensors.keys() if tensors[k].shape != expected[k].shape)
+        if missing or unexpected or wrong:
+            problems = [
+                f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
+                for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                if names
+            ]
+            raise ValueError(f"The adapter weights in {source} do not fit this model ({'; '.join(problems)}).")
+        with torch.no_grad():
+            lora = {key: value for key, value in tensors.items() if key != COMP_EMBEDDINGS_KEY}
+            set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
+            self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
