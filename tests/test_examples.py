@@ -41,3 +41,12 @@ def test_streaming_stays_within_the_budget(capsys):
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert lines[0].startswith("CCM-concat   budget 160 positions: held at most 160 over 2010 tokens (8 memory slots")
     assert lines[1].startswith("StreamingLLM budget 160 positions: held at most 160 over 2010 tokens (0 memory slots")
+
+
+def test_serving_from_threads_matches_one_by_one(capsys):
+    runpy.run_path(str(EXAMPLES / "serving.py"), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "same as one by one: True" in lines
+    assert "memory unchanged: True" in lines
+    assert lines[-1] == "another adapter refuses the memory: True"
+    assert any(line.startswith("bad request refused: context_ids holds the token id 10000") for line in lines)
