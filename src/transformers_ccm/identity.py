@@ -1,8 +1,8 @@
 """Identities of weights: what a compressed memory records so that only the model that made it accepts it.
 
 `adapter_digest` hashes every adapter tensor by name, whatever its `requires_grad`. `weights_fingerprint`
-covers every element of every base weight with two exact integer sums over the raw bits (so it is the same
-on any device and in any reduction order), without the cost of a cryptographic hash of gigabytes.
+covers every element of every base weight with two exact integer sums over the raw bits (the same on any
+device and in any reduction order), without the cost of a cryptographic hash of gigabytes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import hashlib
 import torch
 
 _CHUNK = 1 << 22
+_ROW = 64
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Position weights of the second sum (a prime modulus keeps the products far from int64 overflow).
+# Row weights of the second sum (a prime modulus keeps the products far from int64 overflow).
 _MODULUS = 65521
 
 
@@ -42,11 +43,14 @@ def weights_fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def _bit_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """`(2,)` int64: the sum of the tensor's raw bits read as integers, and their position-weighted sum."""
+    """`(2,)` int64: the sum of the tensor's raw bits read as integers, and the sum of its rows of `_ROW`
+    elements weighted by the row's index (which tells moved rows apart)."""
     bits = tensor.reshape(-1).contiguous().view(_INTEGER_OF_SIZE[tensor.element_size()])
     total = torch.zeros(2, dtype=torch.int64, device=tensor.device)
     for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start : start + _CHUNK].long()
-        weights = torch.arange(start, start + chunk.numel(), device=tensor.device) % _MODULUS + 1
-        total += torch.stack([chunk.sum(), (chunk * weights).sum()])
+        chunk = bits[start : start + _CHUNK]
+        padded = torch.nn.functional.pad(chunk, (0, -chunk.numel() % _ROW)).view(-1, _ROW)
+        rows = padded.sum(dim=1, dtype=torch.int64)
+        index = torch.arange(start // _ROW, start // _ROW + rows.numel(), device=tensor.device) % _MODULUS + 1
+        total += torch.stack([rows.sum(), (rows * index).sum()])
     return total

@@ -69,6 +69,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._rotation = KeyRotation.of_model(base_model)
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
+        self._named_weights: dict[str, list[tuple[str, torch.Tensor]]] | None = None
         _use_ccm_attention(base_model)
         base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
 
@@ -429,31 +430,27 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             "num_comp_tokens": self.config.num_comp_tokens,
             "max_memory_tokens": self.config.max_memory_tokens,
             "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
-            "adapter_sha256": self._digest("adapter", self._adapter_parameters(), adapter_digest),
-            "base_fingerprint": self._digest("base", self._base_parameters(), weights_fingerprint),
+            "adapter_sha256": self._digest("adapter", adapter_digest),
+            "base_fingerprint": self._digest("base", weights_fingerprint),
         }
 
-    def _adapter_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return sorted(
-            (name, parameter)
-            for name, parameter in self.named_parameters()
-            if name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name
-        )
+    def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """The adapter's and the base model's parameters by name, sorted (listed once: walking the modules costs
+        milliseconds, and this is asked at every call)."""
+        if self._named_weights is None:
+            named = sorted(self.named_parameters())
+            is_adapter = [name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name for name, _ in named]
+            self._named_weights = {
+                "adapter": [item for item, adapter in zip(named, is_adapter, strict=True) if adapter],
+                "base": [item for item, adapter in zip(named, is_adapter, strict=True) if not adapter],
+            }
+        return self._named_weights
 
-    def _base_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return sorted(
-            (name, parameter)
-            for name, parameter in self.base_model.named_parameters()
-            if ".lora_A." not in name and ".lora_B." not in name
-        )
-
-    def _digest(
-        self,
-        kind: str,
-        parameters: list[tuple[str, torch.Tensor]],
-        compute: Callable[[list[tuple[str, torch.Tensor]]], str],
-    ) -> str:
-        key = tuple((id(parameter), parameter._version) for _, parameter in parameters)
+    def _digest(self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str]) -> str:
+        """`compute` over the `kind` weights, again only if one of them changed since (in place: its version
+        counter; replaced: its storage)."""
+        parameters = self._weights()[kind]
+        key = tuple((parameter._version, parameter.data_ptr()) for _, parameter in parameters)
         cached = self._digests.get(kind)
         if cached is None or cached[0] != key:
             cached = self._digests[kind] = key, compute(parameters)
