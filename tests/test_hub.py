@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tiny_models import randomize_adapter, tiny_base
+from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
+from transformers_ccm.hub import resolve_adapter
 
 PROMPT = torch.tensor([[20, 21, 22]])
 CONTEXT = torch.tensor([[5, 6, 7, 8]])
@@ -250,3 +251,21 @@ def test_weights_that_do_not_fit_change_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"do not fit this model \(missing"):
         target.load_adapter(tmp_path / "adapter")
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    "name", ["ccm:../..", "ccm:../adapters/smollm2-concat", "ccm:/etc", "ccm:", "ccm:smollm2-concat/"]
+)
+def test_shipped_names_never_reach_other_folders(name):
+    with pytest.raises(FileNotFoundError, match=r"No shipped adapter .*; shipped: \['ccm:smollm2-concat'"):
+        resolve_adapter(name)
+
+
+def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
+    model = tiny_ccm("llama")
+    live = model.base_model.peft_config["default"]
+    before = live.to_dict()
+    model.save_pretrained(tmp_path / "adapter")
+    assert live.to_dict() == before
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "CAUSAL_LM"

@@ -11,7 +11,45 @@ from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.evaluation import kv_bytes_per_token
 from transformers_ccm.modeling import CCMForCausalLM
 
-END_OF_TURN = "<|im_end|>"
+_SENTINEL = "CCM-MESSAGE-SENTINEL"
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How the tokenizer's chat template writes one exchange, without any system prompt it may add.
+
+    A user turn is `before_message + message + after_message` (the assistant's reply starts right after);
+    a reply ends with `end_of_reply` (its first token is where generation stops).
+    """
+
+    before_message: str
+    after_message: str
+    end_of_reply: str
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnFormat:
+        """Read the format from `tokenizer.apply_chat_template` (the difference between renderings of one and
+        two exchanges)."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{type(tokenizer).__name__} has no chat template; chat needs an instruction-tuned model's "
+                "tokenizer (or set tokenizer.chat_template)."
+            )
+
+        def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+        exchange = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+        earlier = render(exchange, False)
+        with_turn = render([*exchange, {"role": "user", "content": _SENTINEL}], True)
+        closed = render([exchange[0], {"role": "assistant", "content": _SENTINEL}], False)
+        if not with_turn.startswith(earlier) or _SENTINEL not in closed:
+            raise ValueError(
+                "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
+                "be used with compressed memory."
+            )
+        before, after = with_turn[len(earlier) :].split(_SENTINEL)
+        return cls(before, after, closed.split(_SENTINEL, 1)[1])
 
 
 @dataclass
@@ -26,8 +64,12 @@ class TurnReport:
 
 
 class ChatSession:
-    """One user's conversation in ChatML. Each turn attends to the memory only, then is folded into it
-    (the `<COMP>` block runs; the turn is not re-encoded)."""
+    """One user's conversation, written with the tokenizer's chat template. Each turn attends to the memory
+    only, then is folded into it (the `<COMP>` block runs; the turn is not re-encoded).
+
+    What the user types is text: special-token strings in it (such as `<|im_end|>`) stay plain text and never
+    become role markers.
+    """
 
     def __init__(
         self,
@@ -41,17 +83,30 @@ class ChatSession:
         self.cache = cache if cache is not None else model.new_cache()
         self.max_new_tokens = max_new_tokens
         self.history_tokens = 0
-        self._end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-        self._newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        self.format = TurnFormat.of(tokenizer)
+        end_of_reply = self._ids(self.format.end_of_reply)
+        if not end_of_reply:
+            raise ValueError("The tokenizer's chat template ends a reply with no token; generation could not stop.")
+        self._end_of_turn, self._after_reply = end_of_reply[0], end_of_reply[1:]
 
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _ids(self, text: str, plain: bool = False) -> list[int]:
+        """Token ids of `text`; with `plain`, special-token strings in it are ordinary text."""
+        extra = {"split_special_tokens": True} if plain else {}
+        return list(self.tokenizer(text, add_special_tokens=False, **extra)["input_ids"])
+
+    def prompt_ids(self, message: str) -> list[int]:
+        """The ids of a user turn, up to where the assistant's reply starts."""
+        return (
+            self._ids(self.format.before_message)
+            + self._ids(message, plain=True)
+            + self._ids(self.format.after_message)
+        )
 
     def turn(self, message: str) -> TurnReport:
         """Answer `message`, fold the exchange into memory, and report the memory held."""
         if not message.strip():
             raise ValueError("The message is empty; type something to say.")
-        prompt = self._ids(f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+        prompt = self.prompt_ids(message)
         output = self.model.generate(
             torch.tensor([prompt], device=self.model.device),
             past_key_values=self.cache,
@@ -62,9 +117,10 @@ class ChatSession:
         )
         generated = output[0, len(prompt) :].tolist()
         reply_ids = generated[: generated.index(self._end_of_turn)] if self._end_of_turn in generated else generated
-        # c(t+1) = this turn as the training dialogues write it: "...<|im_end|>\n"
-        self.model.compress(self.cache, torch.tensor([self._newline], device=self.model.device))
-        self.history_tokens += len(prompt) + len(generated) + len(self._newline)
+        # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
+        closing = self._after_reply if self._end_of_turn in generated else [self._end_of_turn, *self._after_reply]
+        self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
+        self.history_tokens += len(prompt) + len(generated) + len(closing)
         per_token = kv_bytes_per_token(self.model)
         return TurnReport(
             reply=self.tokenizer.decode(reply_ids, skip_special_tokens=True).strip(),

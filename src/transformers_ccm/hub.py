@@ -134,10 +134,10 @@ def resolve_adapter(
     snapshot (downloaded or cached)."""
     name = os.fspath(name_or_path)
     if name.startswith(SHIPPED_PREFIX):
-        folder = SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
-        if not (folder / CONFIG_NAME).is_file():
+        # A shipped name is one of the package's adapter folders, never a path that could lead elsewhere.
+        if name not in shipped_adapters():
             raise FileNotFoundError(f"No shipped adapter {name!r}; shipped: {shipped_adapters()}.")
-        return folder
+        return SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
     path = Path(name_or_path)
     if path.is_dir():
         return path
