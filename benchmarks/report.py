@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.workload import FULL_CONTEXT
+from transformers_ccm.extras import pyplot
 
 TARGET_STEP = 16
 
@@ -355,10 +356,7 @@ def print_tables(found: list[Table]) -> None:
 # ----- plots ----------------------------------------------------------------------------------------------
 def plot(results: dict[str, Any], output_dir: str) -> list[str]:
     """One PNG per benchmark that ran; returns the file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     written = []
 

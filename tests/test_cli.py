@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,53 @@ def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     assert report["methods"]["streaming_llm"]["peak_kv_held"] == 46
     assert (tmp_path / "results" / "stream_eval.png").stat().st_size > 10_000
     assert "streaming_llm" in capsys.readouterr().out
+
+
+def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    # The superuser writes into read-only folders; /sys refuses everyone.
+    unwritable = locked if not os.access(locked, os.W_OK) else Path("/sys")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    for path, message in (
+        (unwritable / "user.safetensors", "cannot be written"),
+        (tmp_path / "missing" / "user.safetensors", "does not exist; create it first"),
+        (tmp_path, "is a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(path)])
+        captured = capsys.readouterr()
+        assert message in captured.err and "assistant:" not in captured.out
+
+
+def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    from transformers_ccm.cache import CompressedMemoryCache
+
+    memory = tmp_path / "user.safetensors"
+    arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\n"))
+    main([*arguments, "--max-new-tokens", "2"])
+    before = memory.read_bytes()
+
+    def full_disk(self, path):
+        open(path, "wb").close()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CompressedMemoryCache, "save", full_disk)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Still there?\nAnd now?\n"))
+    main([*arguments, "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant:") == 3 and "No space left on device" in captured.err
+    assert memory.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["user.safetensors"]
+
+
+def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path):
+    second = tmp_path / "second"
+    shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))
+    arguments = ["eval", "--model", tiny_model, "--tasks", "icl", "--steps", "1", "--samples", "2"]
+    main([*arguments, "--adapters", adapter, str(second), "--output-dir", str(tmp_path / "out")])
+    methods = {row["method"] for row in json.loads((tmp_path / "out" / "eval.json").read_text())["results"]}
+    assert methods == {"no_context", "full_context", f"ccm-concat:{adapter}", f"ccm-concat:{second}"}
+    with pytest.raises(SystemExit):
+        main([*arguments, "--adapters", adapter, adapter, "--output-dir", str(tmp_path / "again")])

@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformers_ccm import OnlineSample
@@ -139,3 +139,23 @@ def test_stream_samples_are_consecutive_text():
         start = ids.index(joined[0])
         while ids[start : start + len(joined)] != joined:
             start = ids.index(joined[0], start + 1)
+
+
+BAD_FIELDS = {
+    '{"contexts": [["a", "b"]], "input": "q"}': "contexts[0] must be a string or a list of token ids",
+    '{"contexts": [""], "input": "q"}': "contexts[0] must be a string or a list of token ids",
+    '{"contexts": ["c"], "input": [1, -2]}': "'input' must be a string or a list of token ids",
+    '{"contexts": ["c"], "input": "q", "output": 3}': "'output' must be a string or a list of token ids",
+    '{"contexts": ["c"], "input": "q", "output": [1.5]}': "'output' must be a string or a list of token ids",
+    '{"contexts": ["c"], "input": "q", "choices": "yes"}': "'choices' must be a non-empty list",
+    '{"contexts": ["c"], "input": "q", "output": "no", "choices": ["yes", "maybe"]}': "is not among the choices",
+}
+
+
+@settings(max_examples=len(BAD_FIELDS), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=st.sampled_from(sorted(BAD_FIELDS)), good_before=st.integers(0, 3))
+def test_jsonl_field_errors_name_the_line(tmp_path, bad, good_before):
+    good = '{"contexts": ["c"], "input": "q", "output": "a"}\n'
+    (tmp_path / "bad.jsonl").write_text(good * good_before + bad + "\n" + good)
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:{good_before + 1}: .*{re.escape(BAD_FIELDS[bad])}"):
+        load_jsonl(tmp_path / "bad.jsonl")

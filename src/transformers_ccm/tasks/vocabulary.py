@@ -7,12 +7,15 @@ import hashlib
 import re
 from typing import Literal
 
-from faker.providers.address.en_US import Provider as Address
-from faker.providers.color.en_US import Provider as Color
-from faker.providers.job.en_US import Provider as Job
-from faker.providers.lorem.en_US import Provider as Lorem
-from faker.providers.person import Provider as Person
-from faker.providers.person.en_US import Provider as EnglishPerson
+from transformers_ccm.extras import require
+
+_PURPOSE = "The built-in tasks' word lists"
+Address = require("faker.providers.address.en_US", _PURPOSE).Provider
+Color = require("faker.providers.color.en_US", _PURPOSE).Provider
+Job = require("faker.providers.job.en_US", _PURPOSE).Provider
+Lorem = require("faker.providers.lorem.en_US", _PURPOSE).Provider
+Person = require("faker.providers.person", _PURPOSE).Provider
+EnglishPerson = require("faker.providers.person.en_US", _PURPOSE).Provider
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
