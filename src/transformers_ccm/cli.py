@@ -75,6 +75,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         eval_every=args.eval_every,
         save_every=args.eval_every,
         seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     train_samples = _load_samples(
         args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
@@ -311,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)"
+    )
     train.set_defaults(handler=cmd_train)
 
     evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")

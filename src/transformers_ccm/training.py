@@ -23,8 +23,9 @@ class CCMTrainer(Trainer):
     """A `Trainer` whose checkpoints hold the adapter files, never the base weights."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        output_dir = output_dir or self.args.output_dir
-        self.model.save_pretrained(output_dir)
+        if not self.args.should_save:  # one process writes; every process holds the same adapter
+            return
+        self.model.save_pretrained(output_dir or self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
@@ -45,11 +46,12 @@ class TrainingRecipe:
     save_every: int = 50
     log_every: int = 10
     seed: int = 0
+    gradient_checkpointing: bool = False
 
 
 def train(
     model: CCMForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     train_samples: Sequence[OnlineSample],
     eval_samples: Sequence[OnlineSample] | None,
     output_dir: str | os.PathLike[str],
@@ -59,10 +61,16 @@ def train(
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
     Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues
-    from the last checkpoint. bf16 on a GPU, fp32 on CPU.
+    from the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every
+    process trains the same adapter and only the main process writes files. `tokenizer` is needed for samples
+    given as text (and gives the padding id); None for token ids.
     """
+    _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
     on_gpu = torch.cuda.is_available()
+    if recipe.gradient_checkpointing:
+        # Non-reentrant: the <COMP> mask reaches the recomputed layers as a forward argument.
+        model.base_model.activation_checkpointing_enable({"use_reentrant": False})
     args = TrainingArguments(
         output_dir=os.fspath(output_dir),
         max_steps=recipe.steps,
@@ -87,7 +95,7 @@ def train(
         seed=recipe.seed,
         dataloader_num_workers=0,
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     trainer = CCMTrainer(
         model=model,
         args=args,
@@ -96,5 +104,18 @@ def train(
         data_collator=CCMDataCollator(model, tokenizer=tokenizer, pad_token_id=pad),
     )
     trainer.train(resume_from_checkpoint=True if resume else None)
-    model.save_pretrained(output_dir)
+    if trainer.is_world_process_zero():
+        model.save_pretrained(output_dir)
     return trainer
+
+
+def _refuse_sharded_launch() -> None:
+    """Raise, before any work, under `accelerate launch` with FSDP or DeepSpeed (accelerate says so through the
+    environment of every process)."""
+    sharded = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+    if sharded:
+        raise ValueError(
+            f"ccm training runs with DDP, not {' or '.join(sharded)}: the adapter is a few MB and the base model is "
+            "frozen, so sharding saves little, and PEFT's frozen base would need FSDP's use_orig_params. Launch "
+            "with `accelerate launch --multi_gpu ...` or `torchrun --nproc_per_node N ...` instead."
+        )

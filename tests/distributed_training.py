@@ -1,0 +1,42 @@
+"""Run by tests/test_distributed.py under torchrun: train a tiny adapter on every process, then report, per
+rank, a hash of the adapter it holds and every folder it wrote an adapter to."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+from tiny_models import tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm.identity import adapter_digest
+from transformers_ccm.training import TrainingRecipe, train
+
+
+def main(output: str, report: str, gradient_checkpointing: bool) -> None:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    written: list[str] = []
+    save = model.save_pretrained
+    model.save_pretrained = lambda folder: (written.append(os.fspath(folder)), save(folder))[1]
+    rng = random.Random(rank)  # each process sees other samples; DDP must still keep the weights equal
+    samples = [
+        OnlineSample([[rng.randrange(3, 90) for _ in range(3)] for _ in range(2)], [5, 6], [rng.randrange(3, 90)])
+        for _ in range(16)
+    ]
+    recipe = TrainingRecipe(
+        steps=4, batch_size=2, save_every=2, eval_every=100, gradient_checkpointing=gradient_checkpointing
+    )
+    train(model, None, samples, None, output, recipe)
+    tensors = sorted((name, tensor.detach()) for name, tensor in model.adapter_tensors().items())
+    with open(os.path.join(report, f"rank{rank}.json"), "w") as file:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        json.dump({"adapter": adapter_digest(tensors), "written": written, "world_size": world}, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "checkpointing")

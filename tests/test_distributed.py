@@ -1,0 +1,59 @@
+"""Multi-process training: two CPU processes (gloo) under torchrun keep identical adapters, and only the main
+process writes files."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm.identity import adapter_digest
+from transformers_ccm.training import train
+
+TESTS = Path(__file__).parent
+
+
+@pytest.mark.parametrize("mode", ["plain", "checkpointing"])
+def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, mode):
+    output, report = tmp_path / "adapter", tmp_path / "report"
+    report.mkdir()
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent / "src")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*command, str(TESTS / "distributed_training.py"), str(output), str(report), mode],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    assert ranks[0]["adapter"] == ranks[1]["adapter"]  # though each process saw other samples
+    assert ranks[1]["written"] == []
+    assert str(output) in ranks[0]["written"] and any("checkpoint-" in folder for folder in ranks[0]["written"])
+
+    saved = CCMForCausalLM.from_pretrained(output, base_model=tiny_base("llama"))
+    tensors = sorted((name, tensor.detach()) for name, tensor in saved.adapter_tensors().items())
+    assert adapter_digest(tensors) == ranks[0]["adapter"]
+    halfway = CCMForCausalLM.from_pretrained(output / "checkpoint-2", base_model=tiny_base("llama"))
+    assert not torch.equal(saved.comp_embeddings, halfway.comp_embeddings)  # it trained
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_sharded_launches_are_refused_before_any_work(tmp_path, monkeypatch, engine):
+    monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    with pytest.raises(ValueError, match=rf"runs with DDP, not {engine}.*torchrun --nproc_per_node"):
+        train(model, None, [OnlineSample([[5, 6]], [7], [8])], None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
