@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.masks import update_coefficient
+from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class CacheSpec:
         legacy_signature: the signature memory files of format version 1 recorded for this model.
         mask_free_decoding: whether a forward of one token that sees every held position may go without an
             attention mask (the model's sdpa mask code then picks its fastest kernel; not with sliding layers).
+        sliding_window: the model's sliding-window layers, which see only the recent tokens of the turn.
     """
 
     config: CCMConfig
@@ -73,6 +74,7 @@ class CacheSpec:
     max_positions: int | None = None
     legacy_signature: dict[str, Any] | None = None
     mask_free_decoding: bool = False
+    sliding_window: SlidingWindow | None = None
 
 
 # ----- per-row state ---------------------------------------------------------------------------------------------
@@ -455,7 +457,7 @@ class CompressedMemoryCache(Cache):
             raise
 
     # ----- the online forward ------------------------------------------------------------------------------------
-    def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Register `new_mask.shape[1]` new tokens of the turn and describe how they attend.
 
         Args:
@@ -463,8 +465,9 @@ class CompressedMemoryCache(Cache):
 
         Returns:
             position_ids `(batch, new)` (logical positions) and the attention mask
-            `(batch, 1, new, held + new)` bool, or None for one token that sees everything held (when the
-            model's own mask code handles that case; see `CacheSpec.mask_free_decoding`).
+            `(batch, 1, new, held + new)` bool (a dict by layer type for models that mix sliding and full
+            layers), or None for one token that sees everything held (when the model's own mask code handles
+            that case; see `CacheSpec.mask_free_decoding`).
         """
         self.check_batch_size(new_mask.shape[0], "the input")
         self._to(new_mask.device)
@@ -477,6 +480,12 @@ class CompressedMemoryCache(Cache):
         past = torch.cat([rows.memory_mask, rows.turn_mask], dim=1)
         sees_everything = self.spec.mask_free_decoding and new_mask.shape[1] == 1 and bool(new_mask.all() & past.all())
         mask = None if sees_everything else _attend_past_then_causal(past, new_mask)
+        if self.spec.sliding_window is not None:
+            # The turn's tokens take consecutive positions up to the next one; memory is never out of the window.
+            turn_positions = (rows.next_position - rows.turn_mask.sum(-1))[:, None] + rows.turn_mask.cumsum(-1) - 1
+            memory = torch.full_like(rows.memory_mask, ALWAYS_VISIBLE, dtype=torch.long)
+            key_positions = torch.cat([memory, turn_positions, position_ids], dim=1)
+            mask = self.spec.sliding_window.apply(mask, position_ids, key_positions)
         self.rows = replace(
             rows, turn_mask=torch.cat([rows.turn_mask, new_mask], dim=1), next_position=rows.next_position + counts
         )

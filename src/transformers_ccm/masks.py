@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,41 @@ class BlockAttention:
 
     mask: torch.Tensor
     memory_mix: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Attention layers that see only the last `size` positions (Mistral, Gemma 2/3 local layers, ...).
+
+    CCM keeps the window for the tokens of a query's own segment (its context, or its turn) and leaves memory
+    visible whatever its distance: memory is the compressed past, held in a few slots. `per_layer_type`: the
+    model mixes full and sliding layers and takes a mask per layer type; otherwise every layer slides.
+    """
+
+    size: int
+    per_layer_type: bool
+
+    @classmethod
+    def of(cls, config: Any) -> SlidingWindow | None:
+        """The sliding window of a model config, or None if every layer attends to everything."""
+        size = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            sliding = any("sliding" in str(layer_type) for layer_type in layer_types)
+            return cls(size, per_layer_type=True) if sliding and size else None
+        return cls(size, per_layer_type=False) if size else None
+
+    def apply(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> Any:
+        """The attention mask the model takes: `mask` `(batch, 1, q, k)` bool, restricted for sliding layers to
+        keys whose position (`(batch, k)`, or `(batch, q, k)` per query) is less than `size` before the query's
+        `(batch, q)`; memory keys carry `ALWAYS_VISIBLE`. A dict by layer type when the model mixes layers."""
+        keys = key_positions if key_positions.ndim == 3 else key_positions[:, None, :]
+        sliding = mask & (query_positions[:, :, None] - keys < self.size)[:, None]
+        return {"full_attention": mask, "sliding_attention": sliding} if self.per_layer_type else sliding
+
+
+# A position after every real one: memory keys get it, so that no sliding window ever hides them.
+ALWAYS_VISIBLE = 2**40
 
 
 def sample_layout(context_lengths: Sequence[int], io_length: int, num_comp_tokens: int) -> SequenceLayout:
@@ -85,6 +121,26 @@ def memory_weights(steps: int, config: CCMConfig) -> torch.Tensor:
             weights[j, i] = coefficients[i] * decay
             decay *= 1.0 - coefficients[i]
     return weights
+
+
+def windowed_block_attention(
+    segment_ids: torch.Tensor,
+    comp_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    config: CCMConfig,
+    window: SlidingWindow | None,
+) -> tuple[Any, torch.Tensor | None]:
+    """`block_attention`, with sliding layers restricted to `window` inside each segment: the attention mask
+    the model takes (a tensor, or a dict by layer type) and the merge/EMA `memory_mix`."""
+    plan = block_attention(segment_ids, comp_mask, config)
+    if window is None:
+        return plan.mask, plan.memory_mix
+    # Keys of other segments are memory (concat); merge/EMA memory columns follow the sequence.
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    key_positions = position_ids[:, None, :].expand_as(same).masked_fill(~same, ALWAYS_VISIBLE)
+    extra = plan.mask.shape[-1] - segment_ids.shape[1]
+    memory = torch.full((*same.shape[:2], extra), ALWAYS_VISIBLE, device=position_ids.device, dtype=torch.long)
+    return window.apply(plan.mask, position_ids, torch.cat([key_positions, memory], dim=-1)), plan.memory_mix
 
 
 def block_attention(segment_ids: torch.Tensor, comp_mask: torch.Tensor, config: CCMConfig) -> BlockAttention:

@@ -27,7 +27,7 @@ from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
 from transformers_ccm.identity import adapter_digest, weights_fingerprint
 from transformers_ccm.lora import COMP_MASK_KWARG, LoRAGate, attention_modules, inject_lora, lora_layers
-from transformers_ccm.masks import block_attention, comp_ranks
+from transformers_ccm.masks import SlidingWindow, comp_ranks, windowed_block_attention
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
 logger = logging.getLogger(__name__)
@@ -157,17 +157,19 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "The training forward needs input_ids, segment_ids, comp_mask and position_ids (a CCMDataCollator "
                 "batch); for online inference pass past_key_values=model.new_cache(...)."
             )
-        plan = block_attention(segment_ids, comp_mask, self.config)
+        mask, memory_mix = windowed_block_attention(
+            segment_ids, comp_mask, position_ids, self.config, SlidingWindow.of(self._text_config)
+        )
         # The mask travels with the call, so that gradient checkpointing's recomputation sees it too; the context
         # covers LoRA layers outside the decoder layers, if any were targeted.
         with self.lora_at(comp_mask):
             return self.base_model(
                 inputs_embeds=self.embed(input_ids, comp_mask),
-                attention_mask=plan.mask,
+                attention_mask=mask,
                 position_ids=position_ids,
                 labels=labels,
                 use_cache=False,
-                ccm_memory_mix=plan.memory_mix,
+                ccm_memory_mix=memory_mix,
                 **{COMP_MASK_KWARG: comp_mask},
                 **kwargs,
             )
@@ -179,7 +181,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def cache_spec(self) -> CacheSpec:
         """What this model's caches need to know of it (shapes, positions, rotary frequencies, signature)."""
-        text_config = self.base_model.config.get_text_config(decoder=True)
+        text_config = self._text_config
         heads = text_config.num_attention_heads
         signature = self.memory_signature()
         return CacheSpec(
@@ -194,8 +196,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             max_positions=getattr(text_config, "max_position_embeddings", None),
             legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
             mask_free_decoding=wrapped_implementation(self.base_model.config._attn_implementation) == "sdpa"
-            and not _has_sliding_layers(text_config),
+            and SlidingWindow.of(text_config) is None,
+            sliding_window=SlidingWindow.of(text_config),
         )
+
+    @property
+    def _text_config(self) -> PretrainedConfig:
+        return self.base_model.config.get_text_config(decoder=True)
 
     @torch.no_grad()
     def compress(
@@ -509,14 +516,6 @@ def _check_supported(model: PreTrainedModel) -> None:
             model.config.model_type,
             ", ".join(TESTED_MODEL_TYPES),
         )
-
-
-def _has_sliding_layers(config: PretrainedConfig) -> bool:
-    """Whether some attention layers see a sliding window only (their mask is never skipped)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return any("sliding" in str(layer_type) for layer_type in layer_types)
-    return getattr(config, "sliding_window", None) is not None
 
 
 def _use_ccm_attention(model: PreTrainedModel) -> None:
