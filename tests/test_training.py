@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
@@ -52,3 +53,23 @@ def test_training_learns_to_use_memory(update):
         )
     assert loss < 0.3 * loss_without, (loss, loss_without)
     assert loss < 0.3 * loss_wrong, (loss, loss_wrong)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma2", "gpt2", "phi3"])
+def test_logits_at_labels_give_the_same_loss_and_gradients(architecture):
+    def loss_and_gradients(at_labels: bool, items: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig(lora_dropout=0.0)))
+        rng = random.Random(3)
+        batch = CCMDataCollator(model)([recall_sample(rng) for _ in range(5)] + [OnlineSample([[7, 8]], [9], [])])
+        extra = {} if items is None else {"num_items_in_batch": items}
+        out = model(**batch, logits_at_labels=at_labels, **extra)
+        out.loss.backward()
+        if at_labels:
+            assert out.logits.shape[1] < batch["input_ids"].shape[1]
+        return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    for items in (None, 7):
+        (full, full_grads), (kept, kept_grads) = loss_and_gradients(False, items), loss_and_gradients(True, items)
+        assert torch.allclose(full, kept, atol=1e-6)
+        for name, grad in full_grads.items():
+            assert torch.allclose(grad, kept_grads[name], atol=1e-5), name

@@ -22,6 +22,7 @@ from transformers_ccm.attention import (
 )
 from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
 from transformers_ccm.config import CCMConfig, base_shape
+from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.embedded import load_base_model
 from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
@@ -130,6 +131,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         labels: torch.Tensor | None = None,
         past_key_values: CompressedMemoryCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        logits_at_labels: bool = False,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Either the parallel training forward of a `CCMDataCollator` batch, in one pass of the base model,
@@ -141,6 +143,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             labels: `(batch, seq)` long, -100 except at output tokens; the loss is next-token NLL on those.
             past_key_values: online only: the memory to attend to; the new tokens join its current turn.
             attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
+            logits_at_labels: training only: run the LM head only at the positions that predict a label (the
+                same loss, a fraction of the head's cost); `out.logits` then holds those positions only,
+                `(batch, positions, vocab)`, the positions being where any row of the batch has a label next.
         """
         if isinstance(past_key_values, CompressedMemoryCache):
             return self._online_forward(past_key_values, input_ids, attention_mask, labels, **kwargs)
@@ -162,17 +167,31 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
         # The mask travels with the call, so that gradient checkpointing's recomputation sees it too; the context
         # covers LoRA layers outside the decoder layers, if any were targeted.
+        predicting = None
+        if logits_at_labels and labels is not None:
+            # Position p predicts the label at p + 1; the head runs where any row has one.
+            predicting = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+            kwargs["logits_to_keep"] = predicting
         with self.lora_at(comp_mask):
-            return self.base_model(
+            output = self.base_model(
                 inputs_embeds=self.embed(input_ids, comp_mask),
                 attention_mask=mask,
                 position_ids=position_ids,
-                labels=labels,
+                labels=labels if predicting is None else None,
                 use_cache=False,
                 ccm_memory_mix=memory_mix,
                 **{COMP_MASK_KWARG: comp_mask},
-                **kwargs,
+                **{key: value for key, value in kwargs.items() if predicting is None or key != "num_items_in_batch"},
             )
+        if predicting is not None:
+            output.loss = self.base_model.loss_function(
+                logits=output.logits,
+                labels=None,
+                vocab_size=output.logits.shape[-1],
+                shift_labels=labels[:, predicting + 1],
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+        return output
 
     # ----- online inference --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int = 1, streaming: StreamingConfig | None = None) -> CompressedMemoryCache:

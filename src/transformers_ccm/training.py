@@ -27,6 +27,18 @@ class CCMTrainer(Trainer):
             return
         self.model.save_pretrained(output_dir or self.args.output_dir)
 
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """The model's loss, with the LM head run only where a label is predicted (training needs no other
+        logits)."""
+        outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
 
@@ -90,6 +102,7 @@ def train(
         bf16=on_gpu and torch.cuda.is_bf16_supported(),
         use_cpu=not on_gpu,
         remove_unused_columns=False,
+        prediction_loss_only=True,
         label_names=["labels"],
         report_to="none",
         seed=recipe.seed,
