@@ -214,7 +214,7 @@ def _training_tables(training: dict[str, Any]) -> list[Table]:
     return [
         Table(
             f"Training speed, forward+backward, batch {training['batch_size']}: samples/s",
-            ["method", "t", "tokens", "parallel", "recurrent", "speed-up", "|loss difference|"],
+            ["method", "t", "tokens", "parallel", "recurrent", "speed-up", "labels-only head", "|loss difference|"],
             [
                 [
                     r["method"],
@@ -223,6 +223,7 @@ def _training_tables(training: dict[str, Any]) -> list[Table]:
                     f"{r['parallel_samples_per_second']:.2f}",
                     f"{r['recurrent_samples_per_second']:.2f}",
                     f"{r['speedup']:.2f}x",
+                    f"{r['labels_only_speedup']:.2f}x ({r['labels_only_over_recurrent']:.2f}x)",
                     f"{abs(r['parallel_loss'] - r['recurrent_loss']):.1e}",
                 ]
                 for r in training["rows"]

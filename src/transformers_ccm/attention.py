@@ -4,16 +4,19 @@
 matching mask functions to `AttentionMaskInterface`, so ordinary 2D masks keep working). A model switched
 to one of them behaves exactly as before, unless its forward is given `ccm_memory_mix`: then each layer
 appends the merged memory slots to its keys/values (after projection and rotary embedding) before
-attending, which a mask alone cannot express.
+attending, which a mask alone cannot express. Given a flex `BlockMask` instead of a dense mask (the
+block-sparse training forward), it runs `flex_attention`.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -74,6 +77,8 @@ def _make_ccm_attention(wrapped: str) -> Callable[..., tuple[torch.Tensor, torch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if ccm_memory_mix is not None:
             key, value = append_memory(key, value, ccm_memory_mix)
+        if isinstance(attention_mask, BlockMask):
+            return flex_attention_forward(query, key, value, attention_mask, **kwargs)
         if wrapped == "eager":
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -84,6 +89,49 @@ def _make_ccm_attention(wrapped: str) -> Callable[..., tuple[torch.Tensor, torch
 
     ccm_attention.__name__ = f"ccm_{wrapped}_attention"
     return ccm_attention
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: BlockMask,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a block-sparse mask (blocks no query sees are skipped): compiled on accelerators, eager
+    (forward only) on CPU. Returns `(batch, seq, heads, head_dim)` as the model's attention functions do.
+
+    Args:
+        query: `(batch, heads, seq, head_dim)`; key, value: `(batch, kv_heads, keys, head_dim)`.
+    """
+    if dropout:
+        raise ValueError(
+            f"Block-sparse (flex) attention has no attention dropout, and this model uses {dropout}; train with "
+            'model.set_training_attention("dense").'
+        )
+
+    def softcapped(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return softcap * torch.tanh(score / softcap)
+
+    run = flex_attention if query.device.type == "cpu" else _compiled_flex_attention()
+    output = run(
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        score_mod=softcapped if softcap else None,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
 
 
 def register_ccm_attention() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from transformers_ccm.config import CCMConfig
 
@@ -189,3 +190,19 @@ def block_attention(segment_ids: torch.Tensor, comp_mask: torch.Tensor, config: 
     mix = torch.where(selected, mix, torch.zeros((), device=device))
     memory_visible = (seg_q - 1) == slot_step[None, None, :]
     return BlockAttention(mask=torch.cat([own, memory_visible], dim=-1)[:, None], memory_mix=mix)
+
+
+def as_block_masks(mask: Any) -> Any:
+    """The same attention pattern as flex `BlockMask`s, whose empty blocks the kernel skips: `mask` is a
+    `(batch, 1, q, k)` bool tensor, or a dict of them by layer type."""
+    if isinstance(mask, dict):
+        return {kind: as_block_masks(each) for kind, each in mask.items()}
+    dense = mask[:, 0]
+
+    def allowed(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return dense[batch, query, key]
+
+    block_mask: BlockMask = create_block_mask(
+        allowed, dense.shape[0], None, dense.shape[1], dense.shape[2], device=dense.device
+    )
+    return block_mask

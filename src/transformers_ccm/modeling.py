@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -28,10 +28,13 @@ from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
 from transformers_ccm.identity import adapter_digest, weights_fingerprint
 from transformers_ccm.lora import COMP_MASK_KWARG, LoRAGate, attention_modules, inject_lora, lora_layers
-from transformers_ccm.masks import SlidingWindow, comp_ranks, windowed_block_attention
+from transformers_ccm.masks import SlidingWindow, as_block_masks, comp_ranks, windowed_block_attention
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
 logger = logging.getLogger(__name__)
+
+TrainingAttention = Literal["auto", "dense", "flex"]
+TRAINING_ATTENTION: tuple[str, ...] = ("auto", "dense", "flex")
 
 TESTED_MODEL_TYPES = (
     "llama",
@@ -71,6 +74,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
         self._named_weights: dict[str, list[tuple[str, torch.Tensor]]] | None = None
+        self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
         base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
 
@@ -112,6 +116,19 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
         comp = self.comp_embeddings[comp_ranks(comp_mask, self.config.num_comp_tokens)].to(ordinary.dtype)
         return torch.where(comp_mask[..., None], comp, ordinary)
+
+    def set_training_attention(self, kind: TrainingAttention) -> None:
+        """How the parallel training forward attends: `"flex"`, block-sparse `flex_attention` (blocks of the
+        CCM mask that no query sees are skipped; compiled on accelerators, forward-only on CPU); `"dense"`, the
+        model's own sdpa or eager attention with the full mask; `"auto"` (default): flex on CUDA for models
+        whose code takes flex masks, else dense."""
+        if kind not in TRAINING_ATTENTION:
+            raise ValueError(f"Training attention must be one of {TRAINING_ATTENTION}, got {kind!r}.")
+        if kind == "flex" and not self.base_model._supports_flex_attn:
+            raise ValueError(
+                f"{type(self.base_model).__name__} does not take flex attention masks; use 'dense' (or 'auto')."
+            )
+        self.training_attention = kind
 
     def lora_at(self, comp_mask: torch.Tensor) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the LoRA acts at the `<COMP>` positions of `comp_mask`
@@ -165,6 +182,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         mask, memory_mix = windowed_block_attention(
             segment_ids, comp_mask, position_ids, self.config, SlidingWindow.of(self._text_config)
         )
+        flex_on_device = segment_ids.is_cuda and self.base_model._supports_flex_attn
+        if self.training_attention == "flex" or (self.training_attention == "auto" and flex_on_device):
+            mask = as_block_masks(mask)
         # The mask travels with the call, so that gradient checkpointing's recomputation sees it too; the context
         # covers LoRA layers outside the decoder layers, if any were targeted.
         predicting = None
