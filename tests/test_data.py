@@ -3,6 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ccm_reference import reference_logits
+from tiny_models import tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, OnlineSample
 from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.masks import sample_layout
@@ -74,3 +76,30 @@ def test_padding_never_changes_a_row(samples, n):
         if "labels" in batch:
             assert (batch["labels"][row] != IGNORE_INDEX).sum() == o
     assert batch["input_ids"].dtype == torch.long
+
+
+def test_dense_supervision_labels_every_later_context_but_its_first_token():
+    collate = CCMDataCollator(CCMConfig(num_comp_tokens=1), supervision="dense")
+    batch = collate([OnlineSample([[5, 6, 7], [8, 9, 10], [11]], [12], [13, 14])])
+    ignore = IGNORE_INDEX
+    #                      c(1) 5 6 7  COMP  c(2) 8   9   10  COMP c(3) 11 COMP  I 12  O 13 14
+    assert batch["labels"][0].tolist() == [ignore] * 4 + [ignore, 9, 10, ignore] + [ignore, ignore] + [ignore, 13, 14]
+    with pytest.raises(ValueError, match=r"supervision must be one of \('output', 'dense'\)"):
+        CCMDataCollator(CCMConfig(), supervision="everything")
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_dense_loss_is_the_mean_nll_of_each_context_given_the_memory_before_it(update):
+    model = tiny_ccm("llama", update=update)
+    sample = OnlineSample([[5, 6, 7], [8, 9, 10, 11], [12, 13]], [14, 15], [16, 17])
+    with torch.no_grad():
+        loss = model(**CCMDataCollator(model, supervision="dense")([sample])).loss
+        terms = []
+        for step in range(1, len(sample.contexts)):
+            context = sample.contexts[step]
+            logits = reference_logits(model, sample.contexts[:step], context)
+            terms.append(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(context[1:]), reduction="none"))
+        io = [*sample.input, *sample.output]
+        logits = reference_logits(model, sample.contexts, io)[len(sample.input) - 1 : -1]
+        terms.append(torch.nn.functional.cross_entropy(logits, torch.tensor(sample.output), reduction="none"))
+    assert torch.allclose(loss, torch.cat(terms).mean(), atol=1e-4)

@@ -76,6 +76,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         save_every=args.eval_every,
         seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing,
+        supervision=args.supervision,
     )
     train_samples = _load_samples(
         args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
@@ -312,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.add_argument(
+        "--supervision",
+        choices=["output", "dense"],
+        default="output",
+        help="loss on the outputs only (the paper), or also on every later context given the memory before it",
+    )
     train.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)"
     )

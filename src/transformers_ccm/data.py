@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -39,12 +39,22 @@ class OnlineSample:
     choices: Sequence[Tokens] | None = None
 
 
+Supervision = Literal["output", "dense"]
+SUPERVISION: tuple[str, ...] = ("output", "dense")
+
+
 class CCMDataCollator:
     """Turns `OnlineSample`s into one right-padded batch `[c(1) <COMP> ... c(t) <COMP> I(t) O(t)]`.
 
     The batch holds `input_ids`, `segment_ids`, `comp_mask`, `position_ids` (all `(batch, seq)`) and, when
-    any sample has an output, `labels` (-100 except at output tokens). Ids at `<COMP>` and padding positions
-    are `pad_token_id` and never read.
+    any sample has an output (or with dense supervision, a second context), `labels` (-100 where no loss
+    applies). Ids at `<COMP>` and padding positions are `pad_token_id` and never read.
+
+    Args:
+        supervision: `"output"` (the paper): next-token loss on `O(t)` only. `"dense"`: also on every token of
+            every context `c(j)`, `j >= 2`, but its first, which in the parallel forward see only `Mem(j-1)` and
+            the context itself, so the memory is trained to predict what comes next (AutoCompressors,
+            Activation Beacon). A context's first token has no label: nothing of its own segment precedes it.
     """
 
     def __init__(
@@ -52,10 +62,14 @@ class CCMDataCollator:
         model: CCMForCausalLM | CCMConfig,
         tokenizer: Tokenizer | None = None,
         pad_token_id: int = 0,
+        supervision: Supervision = "output",
     ) -> None:
+        if supervision not in SUPERVISION:
+            raise ValueError(f"supervision must be one of {SUPERVISION}, got {supervision!r}.")
         self.config = model if isinstance(model, CCMConfig) else model.config
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
+        self.supervision = supervision
 
     def __call__(self, samples: Sequence[OnlineSample]) -> dict[str, torch.Tensor]:
         if not samples:
@@ -72,7 +86,7 @@ class CCMDataCollator:
                 ("labels", IGNORE_INDEX, torch.long),
             )
         }
-        if all(sample.output is None for sample in samples):
+        if (batch["labels"] == IGNORE_INDEX).all() and all(sample.output is None for sample in samples):
             del batch["labels"]
         return batch
 
@@ -83,10 +97,14 @@ class CCMDataCollator:
         outputs = [] if sample.output is None else self._ids(sample.output, f"samples[{index}].output", empty_ok=True)
         layout = sample_layout([len(c) for c in contexts], len(inputs) + len(outputs), n)
         input_ids: list[int] = []
-        for context in contexts:
+        labels: list[int] = []
+        for step, context in enumerate(contexts, start=1):
             input_ids += context + [self.pad_token_id] * n
+            supervised = self.supervision == "dense" and step >= 2
+            labels += [IGNORE_INDEX, *context[1:]] if supervised else [IGNORE_INDEX] * len(context)
+            labels += [IGNORE_INDEX] * n
         input_ids += inputs + outputs
-        labels = [IGNORE_INDEX] * (len(input_ids) - len(outputs)) + outputs
+        labels += [IGNORE_INDEX] * len(inputs) + outputs
         return {
             "input_ids": input_ids,
             "segment_ids": layout.segment_ids,

@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import CCMDataCollator, OnlineSample
+from transformers_ccm.data import CCMDataCollator, OnlineSample, Supervision
 from transformers_ccm.modeling import CCMForCausalLM
 
 
@@ -59,6 +59,7 @@ class TrainingRecipe:
     log_every: int = 10
     seed: int = 0
     gradient_checkpointing: bool = False
+    supervision: Supervision = "output"
 
 
 def train(
@@ -114,7 +115,7 @@ def train(
         args=args,
         train_dataset=list(train_samples),
         eval_dataset=list(eval_samples) if eval_samples else None,
-        data_collator=CCMDataCollator(model, tokenizer=tokenizer, pad_token_id=pad),
+        data_collator=CCMDataCollator(model, tokenizer=tokenizer, pad_token_id=pad, supervision=recipe.supervision),
     )
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
