@@ -199,6 +199,15 @@ def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     assert report["methods"]["streaming_llm"]["peak_kv_held"] == 46
     assert (tmp_path / "results" / "stream_eval.png").stat().st_size > 10_000
     assert "streaming_llm" in capsys.readouterr().out
+    story = tmp_path / "story.txt"
+    story.write_text("Once upon a time a lighthouse keeper counted ships at night. " * 40, encoding="utf-8")
+    arguments = ["--text-file", str(story), "--output-dir", str(tmp_path / "story"), *STREAM_EVAL.split()]
+    main(["stream-eval", "--model", tiny_model, "--adapter", adapter, *arguments])
+    report = json.loads((tmp_path / "story" / "stream_eval.json").read_text())
+    assert report["text"] == str(story) and report["tokens"] == 300
+    with pytest.raises(SystemExit):
+        main(["stream-eval", "--model", tiny_model, "--adapter", adapter, "--text-file", str(tmp_path / "none.txt")])
+    assert "is not a file" in capsys.readouterr().err
 
 
 def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adapter, tmp_path, monkeypatch, capsys):

@@ -164,8 +164,11 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
 
+    if args.text_file and not os.path.isfile(args.text_file):
+        raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
     model, tokenizer = _load_ccm(args.adapter, args.model)
-    ids = torch.tensor(tokenizer(long_text("test"), add_special_tokens=False)["input_ids"][: args.tokens])
+    text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens])
     ccm = StreamingConfig(
         window_tokens=args.window_tokens,
         sink_tokens=args.sink_tokens,
@@ -186,7 +189,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     report = {
-        "text": f"held-out Python reference topics (pydoc_data, Python {platform.python_version()})",
+        "text": args.text_file or f"held-out Python reference topics (pydoc_data, Python {platform.python_version()})",
         "tokens": int(ids.shape[0]),
         "adapter": args.adapter,
         "streaming": asdict(ccm),
@@ -338,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     stream = commands.add_parser("stream-eval", help="perplexity of a long stream: CCM vs StreamingLLM, same KV")
     _add_model(stream)
     stream.add_argument("--adapter", default="ccm:smollm2-stream")
-    stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole held-out text)")
+    stream.add_argument("--text-file", default=None, help="a UTF-8 text file to stream (default: the held-out text)")
+    stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole text)")
     stream.add_argument("--piece", type=int, default=16, help="tokens fed per forward")
     stream.add_argument("--window-tokens", type=int, default=148)
     stream.add_argument("--sink-tokens", type=int, default=4)
