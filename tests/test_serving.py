@@ -115,7 +115,7 @@ def test_gate_state_does_not_leak_into_other_threads():
 
 # ----- failures --------------------------------------------------------------------------------------------------
 class _Boom(RuntimeError):
-    pass
+    """The injected failure."""
 
 
 def _fail_in_layer(model: CCMForCausalLM, layer: int, after_calls: int) -> torch.utils.hooks.RemovableHandle:

@@ -240,8 +240,7 @@ def _check_writable(path: str) -> None:
     if not os.path.isdir(folder):
         raise ValueError(f"--memory-file {path}: the folder {folder} does not exist; create it first.")
     try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
+        tempfile.NamedTemporaryFile(dir=folder).close()
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise PermissionError(f"{path} is read-only")
     except OSError as error:
