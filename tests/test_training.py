@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.training import TrainingRecipe, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
 
@@ -73,3 +74,13 @@ def test_logits_at_labels_give_the_same_loss_and_gradients(architecture):
         assert torch.allclose(full, kept, atol=1e-6)
         for name, grad in full_grads.items():
             assert torch.allclose(grad, kept_grads[name], atol=1e-5), name
+
+
+def test_train_with_dense_supervision_and_distillation(tmp_path):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    before = model.comp_embeddings.detach().clone()
+    rng = random.Random(0)
+    recipe = TrainingRecipe(steps=3, batch_size=4, save_every=3, supervision="dense", distill_weight=1.0)
+    trainer = train(model, None, [recall_sample(rng) for _ in range(12)], None, tmp_path / "out", recipe)
+    assert trainer.distill_weight == 1.0 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert not torch.equal(before, model.comp_embeddings)

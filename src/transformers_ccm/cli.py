@@ -77,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing,
         supervision=args.supervision,
+        distill_weight=args.distill_weight,
     )
     train_samples = _load_samples(
         args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
@@ -320,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["output", "dense"],
         default="output",
         help="loss on the outputs only (the paper), or also on every later context given the memory before it",
+    )
+    train.add_argument(
+        "--distill-weight",
+        type=float,
+        default=0.0,
+        help="add this times KL(base model with the full history || CCM) at the supervised positions",
     )
     train.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)"

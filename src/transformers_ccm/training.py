@@ -15,12 +15,17 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import CCMDataCollator, OnlineSample, Supervision
+from transformers_ccm.data import IGNORE_INDEX, CCMDataCollator, OnlineSample, Supervision
+from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.modeling import CCMForCausalLM
 
 
 class CCMTrainer(Trainer):
-    """A `Trainer` whose checkpoints hold the adapter files, never the base weights."""
+    """A `Trainer` whose checkpoints hold the adapter files, never the base weights; its loss adds
+    `distill_weight` times the self-distillation loss (see `distillation.py`) when that is positive."""
+
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
@@ -37,7 +42,14 @@ class CCMTrainer(Trainer):
         """The model's loss, with the LM head run only where a label is predicted (training needs no other
         logits)."""
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        loss = outputs.loss
+        if self.distill_weight and model.training:
+            positions = (inputs["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+            unwrapped = self.accelerator.unwrap_model(model)
+            loss = loss + self.distill_weight * distillation_loss(
+                unwrapped, inputs, outputs.logits, self.distill_temperature, positions
+            )
+        return (loss, outputs) if return_outputs else loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
@@ -60,6 +72,8 @@ class TrainingRecipe:
     seed: int = 0
     gradient_checkpointing: bool = False
     supervision: Supervision = "output"
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
 
 
 def train(
@@ -117,6 +131,7 @@ def train(
         eval_dataset=list(eval_samples) if eval_samples else None,
         data_collator=CCMDataCollator(model, tokenizer=tokenizer, pad_token_id=pad, supervision=recipe.supervision),
     )
+    trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
         model.save_pretrained(output_dir)

@@ -1,0 +1,60 @@
+"""Self-distillation from full context: the base model with the whole history as a plain prompt is the
+teacher of the memory.
+
+At every supervised position of a `CCMDataCollator` batch the student (the CCM forward, which sees only memory)
+is pulled towards the teacher's next-token distribution (the same base model, adapter off, no gradient, over
+`[c(1) ... c(t) I(t) O(t)]` without `<COMP>` tokens), as kvpress's RestoreKV and KV-Distill train.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.modeling import CCMForCausalLM
+
+
+def plain_history(batch: dict[str, torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's input: each row's ordinary tokens in order (no `<COMP>`, no padding), right-padded.
+
+    Returns:
+        input_ids `(batch, len)` and `index` `(batch, seq)`: where each token of the CCM sequence sits in
+        the plain one (-1 at `<COMP>` and padding).
+    """
+    ordinary = ~batch["comp_mask"] & (batch["segment_ids"] > 0)
+    index = torch.where(ordinary, ordinary.long().cumsum(dim=1) - 1, -1)
+    length = int(ordinary.sum(dim=1).max())
+    input_ids = torch.full((ordinary.shape[0], length), pad_token_id, dtype=torch.long, device=ordinary.device)
+    rows = torch.arange(ordinary.shape[0], device=ordinary.device)[:, None].expand_as(index)
+    input_ids[rows[ordinary], index[ordinary]] = batch["input_ids"][ordinary]
+    return input_ids, index
+
+
+def distillation_loss(
+    model: CCMForCausalLM,
+    batch: dict[str, torch.Tensor],
+    student_logits: torch.Tensor,
+    temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean KL(teacher || student) over the positions that predict a label, scaled by `temperature**2`.
+
+    Args:
+        batch: a `CCMDataCollator` batch with `labels`.
+        student_logits: `(batch, seq, vocab)` logits of the CCM forward on `batch`, or `(batch, k, vocab)` at the
+            sequence positions `positions` `(k,)` (what `model(..., logits_at_labels=True)` returns).
+    """
+    columns = torch.arange(batch["labels"].shape[1], device=student_logits.device) if positions is None else positions
+    next_label = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)[:, columns]
+    supervised = next_label != IGNORE_INDEX
+    teacher_ids, index = plain_history(batch)
+    with torch.no_grad(), model.adapter_disabled():
+        teacher_logits = model.base_model(input_ids=teacher_ids).logits
+    rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(supervised)
+    teacher = teacher_logits[rows[supervised], index[:, columns][supervised]].float() / temperature
+    student = student_logits[supervised].float() / temperature
+    kl = F.kl_div(
+        F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean"
+    )
+    return kl * temperature**2

@@ -1,0 +1,52 @@
+"""Self-distillation from full context: the teacher sees the plain history; only the adapter learns."""
+
+import torch
+
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.distillation import distillation_loss, plain_history
+
+SAMPLES = [
+    OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13]),
+    OnlineSample([[14], [15, 16, 17], [18, 19]], [20], [21]),
+]
+
+
+def fresh(**config):
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0, **config)))
+
+
+def test_the_teacher_reads_the_plain_history_aligned_with_the_sequence():
+    batch = CCMDataCollator(CCMConfig(num_comp_tokens=2))(SAMPLES)
+    ids, index = plain_history(batch)
+    for row, sample in enumerate(SAMPLES):
+        plain = [token for context in sample.contexts for token in context] + [*sample.input, *sample.output]
+        assert ids[row, : len(plain)].tolist() == plain
+        ordinary = index[row] >= 0
+        assert torch.equal(ids[row, index[row][ordinary]], batch["input_ids"][row][ordinary])
+        assert torch.equal(batch["position_ids"][row][ordinary], index[row][ordinary])  # the same positions
+
+
+def test_no_memory_means_no_difference_to_distil():
+    model = fresh()
+    batch = CCMDataCollator(model)([OnlineSample([], [5, 6, 7], [8, 9])])
+    with torch.no_grad():
+        assert distillation_loss(model, batch, model(**batch).logits) < 1e-6
+
+
+def test_distillation_trains_only_the_adapter_and_equals_on_labels_only_logits():
+    model = fresh(update="merge")
+    batch = CCMDataCollator(model, supervision="dense")(SAMPLES)
+    out = model(**batch)
+    loss = distillation_loss(model, batch, out.logits, temperature=2.0)
+    assert loss > 1e-3
+    kept = model(**batch, logits_at_labels=True)
+    positions = (batch["labels"][:, 1:] != -100).any(dim=0).nonzero().squeeze(-1)
+    assert torch.allclose(loss, distillation_loss(model, batch, kept.logits, 2.0, positions), atol=1e-6)
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            assert parameter.grad is not None, name
+        else:
+            assert parameter.grad is None, name
+    assert model.comp_embeddings.grad.abs().sum() > 0
