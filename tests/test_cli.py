@@ -258,3 +258,13 @@ def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, 
     assert methods == {"no_context", "full_context", f"ccm-concat:{adapter}", f"ccm-concat:{second}"}
     with pytest.raises(SystemExit):
         main([*arguments, "--adapters", adapter, adapter, "--output-dir", str(tmp_path / "again")])
+
+
+def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
+    train(tiny_model, tmp_path / "full", 2, "--method", "full-context", "--supervision", "dense")
+    config = json.loads((tmp_path / "full" / "ccm_config.json").read_text())
+    assert config["conditional_lora"] is False
+    assert config["trained_on"] == "fine-tuned full-context baseline on transformers-ccm built-in task 'mixture'"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--model", tiny_model, "--adapters", str(tmp_path / "full"), "--tasks", "icl", "--samples", "2"])
+    assert exit_info.value.code == 2 and "hold a fine-tuned full-context baseline" in capsys.readouterr().err

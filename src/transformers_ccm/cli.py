@@ -48,6 +48,7 @@ def _load_samples(
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
+    from transformers_ccm.baseline import full_context_config
     from transformers_ccm.embedded import load_tokenizer
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.training import TrainingRecipe, train
@@ -65,6 +66,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             else os.path.basename(args.task)
         ),
     )
+    if args.method == "full-context":
+        config = full_context_config(config)
     model = CCMForCausalLM.from_base(args.model, config)
     tokenizer = load_tokenizer(args.model)
     recipe = TrainingRecipe(
@@ -78,6 +81,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         gradient_checkpointing=args.gradient_checkpointing,
         supervision=args.supervision,
         distill_weight=args.distill_weight,
+        layout="full_context" if args.method == "full-context" else "ccm",
     )
     train_samples = _load_samples(
         args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
@@ -109,12 +113,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
+    from transformers_ccm.baseline import is_full_context_baseline
     from transformers_ccm.evaluation import markdown, plot, score_samples, summarize
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
     loaded = [(adapter, *_load_ccm(adapter, args.model)) for adapter in args.adapters]
+    baselines = [adapter for adapter, model, _ in loaded if is_full_context_baseline(model.config)]
+    if baselines:
+        raise ValueError(
+            f"{baselines} hold a fine-tuned full-context baseline, which reads the history as a prompt and has no "
+            "memory to evaluate here; score it with transformers_ccm.baseline.as_plain_prompt (see docs/training.md)."
+        )
     rules = [model.config.update for _, model, _ in loaded]
     # Adapters are named by their update rule, and by the adapter too where two share a rule.
     models = {
@@ -316,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.add_argument(
+        "--method",
+        choices=["ccm", "full-context"],
+        default="ccm",
+        help="a compression adapter, or the fine-tuned full-context baseline: the same LoRA at every position, "
+        "trained on the same samples with the whole history as a plain prompt",
+    )
     train.add_argument(
         "--supervision",
         choices=["output", "dense"],

@@ -23,6 +23,22 @@ class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
+def token_ids(tokens: Tokens, tokenizer: Tokenizer | None, where: str, empty_ok: bool = False) -> list[int]:
+    """`tokens` as a list of ids (strings through `tokenizer`, without special tokens); `where` names them in
+    errors."""
+    if isinstance(tokens, str):
+        if tokenizer is None:
+            raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
+        ids = list(tokenizer(tokens, add_special_tokens=False)["input_ids"])
+    elif isinstance(tokens, torch.Tensor):
+        ids = tokens.reshape(-1).tolist()
+    else:
+        ids = [int(token) for token in tokens]
+    if not ids and not empty_ok:
+        raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
+    return ids
+
+
 @dataclass
 class OnlineSample:
     """One online-inference example at time step `t = len(contexts)`.
@@ -41,6 +57,8 @@ class OnlineSample:
 
 Supervision = Literal["output", "dense"]
 SUPERVISION: tuple[str, ...] = ("output", "dense")
+Layout = Literal["ccm", "full_context"]
+LAYOUTS: tuple[str, ...] = ("ccm", "full_context")
 
 
 class CCMDataCollator:
@@ -55,6 +73,9 @@ class CCMDataCollator:
             every context `c(j)`, `j >= 2`, but its first, which in the parallel forward see only `Mem(j-1)` and
             the context itself, so the memory is trained to predict what comes next (AutoCompressors,
             Activation Beacon). A context's first token has no label: nothing of its own segment precedes it.
+        layout: `"ccm"` (above), or `"full_context"`: each sample as one plain prompt `[c(1) ... c(t) I(t) O(t)]`
+            (one segment, no `<COMP>`, ordinary positions) with the same labels as `"ccm"`, for the fine-tuned
+            full-context baseline (`transformers_ccm.baseline`).
     """
 
     def __init__(
@@ -63,13 +84,17 @@ class CCMDataCollator:
         tokenizer: Tokenizer | None = None,
         pad_token_id: int = 0,
         supervision: Supervision = "output",
+        layout: Layout = "ccm",
     ) -> None:
         if supervision not in SUPERVISION:
             raise ValueError(f"supervision must be one of {SUPERVISION}, got {supervision!r}.")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
         self.config = model if isinstance(model, CCMConfig) else model.config
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.supervision = supervision
+        self.layout = layout
 
     def __call__(self, samples: Sequence[OnlineSample]) -> dict[str, torch.Tensor]:
         if not samples:
@@ -92,9 +117,16 @@ class CCMDataCollator:
 
     def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:
         n = self.config.num_comp_tokens
-        contexts = [self._ids(context, f"samples[{index}].contexts[{j}]") for j, context in enumerate(sample.contexts)]
-        inputs = self._ids(sample.input, f"samples[{index}].input")
-        outputs = [] if sample.output is None else self._ids(sample.output, f"samples[{index}].output", empty_ok=True)
+        contexts = [
+            token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]")
+            for j, context in enumerate(sample.contexts)
+        ]
+        inputs = token_ids(sample.input, self.tokenizer, f"samples[{index}].input")
+        outputs = (
+            []
+            if sample.output is None
+            else token_ids(sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True)
+        )
         layout = sample_layout([len(c) for c in contexts], len(inputs) + len(outputs), n)
         input_ids: list[int] = []
         labels: list[int] = []
@@ -105,6 +137,12 @@ class CCMDataCollator:
             labels += [IGNORE_INDEX] * n
         input_ids += inputs + outputs
         labels += [IGNORE_INDEX] * len(inputs) + outputs
+        if self.layout == "full_context":
+            # Same tokens and labels, without the <COMP> blocks: the ordinary positions are already consecutive.
+            ordinary = [not comp for comp in layout.comp_mask]
+            input_ids = [token for token, keep in zip(input_ids, ordinary, strict=True) if keep]
+            labels = [label for label, keep in zip(labels, ordinary, strict=True) if keep]
+            layout = sample_layout([], len(input_ids), n)
         return {
             "input_ids": input_ids,
             "segment_ids": layout.segment_ids,
@@ -112,16 +150,3 @@ class CCMDataCollator:
             "position_ids": layout.position_ids,
             "labels": labels,
         }
-
-    def _ids(self, tokens: Tokens, where: str, empty_ok: bool = False) -> list[int]:
-        if isinstance(tokens, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
-            ids = list(self.tokenizer(tokens, add_special_tokens=False)["input_ids"])
-        elif isinstance(tokens, torch.Tensor):
-            ids = tokens.reshape(-1).tolist()
-        else:
-            ids = [int(token) for token in tokens]
-        if not ids and not empty_ok:
-            raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
-        return ids

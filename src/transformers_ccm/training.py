@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import IGNORE_INDEX, CCMDataCollator, OnlineSample, Supervision
+from transformers_ccm.data import IGNORE_INDEX, CCMDataCollator, Layout, OnlineSample, Supervision
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.modeling import CCMForCausalLM
 
@@ -74,6 +74,7 @@ class TrainingRecipe:
     supervision: Supervision = "output"
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
+    layout: Layout = "ccm"
 
 
 def train(
@@ -94,6 +95,12 @@ def train(
     """
     _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
+    if recipe.layout == "full_context" and (model.config.conditional_lora or recipe.distill_weight):
+        raise ValueError(
+            "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
+            "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
+            f"(got conditional_lora={model.config.conditional_lora}, distill_weight={recipe.distill_weight})."
+        )
     on_gpu = torch.cuda.is_available()
     if recipe.gradient_checkpointing:
         # Non-reentrant: the <COMP> mask reaches the recomputed layers as a forward argument.
@@ -129,7 +136,9 @@ def train(
         args=args,
         train_dataset=list(train_samples),
         eval_dataset=list(eval_samples) if eval_samples else None,
-        data_collator=CCMDataCollator(model, tokenizer=tokenizer, pad_token_id=pad, supervision=recipe.supervision),
+        data_collator=CCMDataCollator(
+            model, tokenizer=tokenizer, pad_token_id=pad, supervision=recipe.supervision, layout=recipe.layout
+        ),
     )
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     trainer.train(resume_from_checkpoint=True if resume else None)
