@@ -108,8 +108,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    from transformers_ccm.evaluation import markdown, plot, score_samples, summarize
-    from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
+    from transformers_ccm.evaluation import FINETUNED, markdown, plot, score_samples, summarize
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
@@ -122,34 +122,58 @@ def cmd_eval(args: argparse.Namespace) -> None:
     }
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
+    baselines = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
+    if args.full_context_adapter:
+        baselines.append(
+            (FINETUNED, _load_full_context(args.full_context_adapter, args.model, reference), "full_context")
+        )
     results = []
     for task in args.tasks:
-        for steps in args.steps or EVAL_STEPS[task]:
-            samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps)
-            methods = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
-            methods += [(name, model, "ccm") for name, model in models.items()]
-            for name, model, method in methods:
-                score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
-                results.append({"task": task, **score.to_dict(), "method": name})
-                print(
-                    f"{task:16s} t={steps:<3d} {name:13s} {score.metric} {score.value:8.3f}  "
-                    f"context KV {score.context_kv_tokens:7.1f}  peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
-                    flush=True,
-                )
+        for wordings in ("seen", "unseen") if has_unseen_wordings(task) else ("seen",):
+            for steps in args.steps or EVAL_STEPS[task]:
+                samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps, wordings=wordings)
+                for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
+                    score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
+                    results.append({"task": task, "wordings": wordings, **score.to_dict(), "method": name})
+                    print(
+                        f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
+                        f"[{score.low:.3f}, {score.high:.3f}]  context KV {score.context_kv_tokens:7.1f}  "
+                        f"peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
+                        flush=True,
+                    )
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
-    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
+    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1) + "\n")
     plot(results, str(output / "eval.png"))
     (output / "eval.md").write_text(markdown(results, summary))
-    print("\nat the largest time step:")
+    print(f"\nat the largest time step ({args.samples} samples each; 95% intervals):")
     for row in summary:
+        gain, tuned = row["gain_recovered"], row["gain_recovered_finetuned"]
+        versus_tuned = "" if tuned is None else f", {tuned['value']:.0%} of the fine-tuned full-context gain"
         print(
-            f"{row['task']:16s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  full "
-            f"{row['full_context']:.3f}  ccm {row['ccm']:.3f}  gain recovered {row['gain_recovered']:.0%}  "
-            f"memory {row['context_memory_ratio']:.3f} of full context"
+            f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  "
+            f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
+            f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain['value']:.0%} [{gain['interval'][0]:.0%}, "
+            f"{gain['interval'][1]:.0%}]{versus_tuned}  memory {row['context_memory_ratio']:.3f} of full context"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
+
+
+def _load_full_context(adapter: str, model_name: str, reference: CCMForCausalLM) -> CCMForCausalLM:
+    """A full-context fine-tuned adapter (`conditional_lora=False`) for the same base as the CCM adapters."""
+    model, _ = _load_ccm(adapter, model_name)
+    if model.config.conditional_lora:
+        raise ValueError(
+            f"--full-context-adapter {adapter} is a compression adapter (conditional_lora=True); give one trained "
+            "with the whole history as plain prompt (conditional_lora=False)."
+        )
+    if model.config.base_model_shape != reference.config.base_model_shape:
+        raise ValueError(
+            f"--full-context-adapter {adapter} was made for {model.config.base_model_name_or_path}, not for the "
+            f"base of the compression adapters ({reference.config.base_model_name_or_path})."
+        )
+    return model
 
 
 def cmd_stream_eval(args: argparse.Namespace) -> None:
@@ -329,9 +353,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")
     _add_model(evaluate)
     evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
-    evaluate.add_argument("--tasks", nargs="+", default=["icl", "personalization", "dialogue"])
+    evaluate.add_argument(
+        "--tasks", nargs="+", default=["icl", "personalization", "dialogue"], help="also: document (general text)"
+    )
     evaluate.add_argument("--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's)")
-    evaluate.add_argument("--samples", type=int, default=48)
+    evaluate.add_argument(
+        "--samples", type=int, default=200, help="held-out samples per task, wording set (seen, unseen) and time step"
+    )
+    evaluate.add_argument(
+        "--full-context-adapter",
+        default=None,
+        help="a full-context fine-tuned adapter (conditional_lora=False): the paper's upper bound, scored with the "
+        "whole history as plain prompt",
+    )
     evaluate.add_argument("--batch-size", type=int, default=16)
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--output-dir", default="docs/results")
