@@ -287,16 +287,25 @@ def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
             os.remove(temporary)
 
 
-DEMO_SCRIPT = (
-    "Hi! My name is Maria.",
-    "I work as a pharmacist.",
-    "I live in Oregon.",
-    "What do you think about music?",
-    "My best friend is called Tom.",
-    "Do you remember my name?",
-    "What do I do for a living?",
-    "What is my best friend called?",
-)
+# Names and a job from the test split of the word lists: training never saw them.
+DEMO_FACTS = {"name": "Isabel", "job": "astronomer", "friend": "George"}
+
+
+def demo_script(name: str, job: str, friend: str) -> list[str]:
+    """A natural conversation, worded unlike the training tasks: the user mentions their name, job and a friend
+    among small talk, then asks about each (the last three messages: name, job, friend)."""
+    from transformers_ccm.tasks.vocabulary import with_article
+
+    return [
+        f"Hey there! I'm {name}. I just got back from a long trip and I'm exhausted.",
+        "Do you have any tips for getting over jet lag?",
+        f"Thanks! Work starts again tomorrow. I'm {with_article(job)}, so it will be a busy week.",
+        "What's a good book for a rainy evening?",
+        f"Sounds great. My friend {friend} recommended something similar last month.",
+        "Quick check: what's my name?",
+        "And what is my job?",
+        "Who is the friend I mentioned?",
+    ]
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -308,7 +317,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
     )
     session = ChatSession(model, tokenizer, max_new_tokens=args.max_new_tokens)
-    for message in DEMO_SCRIPT[: args.turns]:
+    for message in demo_script(**DEMO_FACTS)[: args.turns]:
         print(f"you: {message}")
         _print_turn(session.turn(message))
 
@@ -385,7 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--output-dir", default="docs/results/streaming")
     stream.set_defaults(handler=cmd_stream_eval)
 
-    for name, handler, text in (("chat", cmd_chat, "talk with memory"), ("demo", cmd_demo, "a scripted chat")):
+    for name, handler, text in (
+        ("chat", cmd_chat, "talk with memory"),
+        ("demo", cmd_demo, "a scripted chat that asks what it was told"),
+    ):
         sub = commands.add_parser(name, help=text)
         _add_model(sub)
         sub.add_argument("--update", choices=["concat", "merge"], default="concat", help="which shipped adapter")
@@ -394,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "chat":
             sub.add_argument("--memory-file", default=None, help="keep this user's memory between runs")
         else:
-            sub.add_argument("--turns", type=int, default=len(DEMO_SCRIPT))
+            sub.add_argument("--turns", type=int, default=None, help="stop after this many turns (default: all)")
         sub.set_defaults(handler=handler)
     return parser
 

@@ -6,17 +6,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from transformers_ccm.extras import require
 
 _PURPOSE = "The built-in tasks' word lists"
-Address = require("faker.providers.address.en_US", _PURPOSE).Provider
-Color = require("faker.providers.color.en_US", _PURPOSE).Provider
-Job = require("faker.providers.job.en_US", _PURPOSE).Provider
-Lorem = require("faker.providers.lorem.en_US", _PURPOSE).Provider
-Person = require("faker.providers.person", _PURPOSE).Provider
-EnglishPerson = require("faker.providers.person.en_US", _PURPOSE).Provider
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -52,8 +46,15 @@ def _words(text: str) -> str:
     return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", text).lower()
 
 
+def _provider(module: str) -> Any:
+    return require(f"faker.providers.{module}", _PURPOSE).Provider
+
+
 @functools.cache
 def _pools() -> dict[str, tuple[str, ...]]:
+    # Faker is imported on first use, so that importing the tasks (and `with_article`) needs no extra.
+    Address, Color, Job = _provider("address.en_US"), _provider("color.en_US"), _provider("job.en_US")
+    Lorem, Person, EnglishPerson = _provider("lorem.en_US"), _provider("person"), _provider("person.en_US")
     jobs = [job for job in Job.jobs if "," not in job and "(" not in job and len(job.split()) <= 2]
     return {
         "first_name": tuple(sorted(set(EnglishPerson.first_names_male) | set(EnglishPerson.first_names_female))),
