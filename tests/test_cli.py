@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.cli import main
 from transformers_ccm.embedded import load_tokenizer
 
@@ -104,34 +105,32 @@ def test_train_on_a_jsonl_file(tiny_model, tmp_path):
 
 
 def test_eval_writes_json_and_plot(tiny_model, adapter, tmp_path, capsys):
-    main(
-        [
-            "eval",
-            "--model",
-            tiny_model,
-            "--adapters",
-            adapter,
-            "--tasks",
-            "icl",
-            "dialogue",
-            "--steps",
-            "1",
-            "2",
-            "--samples",
-            "3",
-            "--output-dir",
-            str(tmp_path),
-        ]
-    )
+    full_context = tmp_path / "full-context"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig(conditional_lora=False)).save_pretrained(full_context)
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--tasks", "icl", "dialogue"]
+    arguments += ["--steps", "1", "2", "--samples", "3", "--output-dir", str(tmp_path)]
+    main([*arguments, "--full-context-adapter", str(full_context)])
     report = json.loads((tmp_path / "eval.json").read_text())
-    methods = {(r["task"], r["steps"], r["method"]) for r in report["results"]}
+    methods = {(r["task"], r["wordings"], r["steps"], r["method"]) for r in report["results"]}
     assert methods == {
-        (t, s, m) for t in ("icl", "dialogue") for s in (1, 2) for m in ("no_context", "full_context", "ccm-concat")
+        (t, w, s, m)
+        for t in ("icl", "dialogue")
+        for w in ("seen", "unseen")
+        for s in (1, 2)
+        for m in ("no_context", "full_context", "full_context_finetuned", "ccm-concat")
     }
-    assert {row["task"] for row in report["summary"]} == {"icl", "dialogue"}
+    assert all(r["low"] <= r["value"] <= r["high"] and len(r["per_sample"]) == 3 for r in report["results"])
+    assert {(row["task"], row["wordings"]) for row in report["summary"]} == {
+        (t, w) for t in ("icl", "dialogue") for w in ("seen", "unseen")
+    }
+    assert all(row["gain_recovered_finetuned"] is not None for row in report["summary"])
     assert (tmp_path / "eval.png").stat().st_size > 10_000
-    assert "| icl (t=2) | ccm-concat | accuracy |" in (tmp_path / "eval.md").read_text()
-    assert "gain recovered" in capsys.readouterr().out
+    assert "| icl (t=2) | unseen | ccm-concat | accuracy |" in (tmp_path / "eval.md").read_text()
+    out = capsys.readouterr().out
+    assert "gain recovered" in out and "of the fine-tuned full-context gain" in out
+    with pytest.raises(SystemExit):
+        main([*arguments, "--full-context-adapter", adapter])
+    assert "is a compression adapter (conditional_lora=True)" in capsys.readouterr().err
 
 
 def test_chat_from_a_script_keeps_memory_between_runs(tiny_model, adapter, tmp_path, monkeypatch, capsys):

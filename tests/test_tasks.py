@@ -8,8 +8,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformers_ccm import OnlineSample
-from transformers_ccm.tasks import EVAL_STEPS, MIXTURE, TASKS, load_jsonl, make_samples, save_jsonl
+from transformers_ccm.tasks import (
+    EVAL_STEPS,
+    MAX_STEPS,
+    METRIC,
+    MIXTURE,
+    TASKS,
+    WORDINGS,
+    load_jsonl,
+    make_samples,
+    make_task_samples,
+    save_jsonl,
+    wording_ids,
+)
+from transformers_ccm.tasks.document import passages
+from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK
+from transformers_ccm.tasks.personalization import FILLER
 from transformers_ccm.tasks.vocabulary import POOLS, in_test_split, words
+from transformers_ccm.tasks.wordings import Phrasings
 
 
 @pytest.mark.parametrize("task", [*TASKS, MIXTURE])
@@ -27,50 +43,140 @@ def test_pools_split_by_identity(pool):
 
 
 TEST_ITEMS = {w for pool in POOLS for w in words(pool, "test")}
+FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue"]
 
 
-def _values(task, sample):
-    """The word-list items a sample is built from (entities, labels, profile values, recalled facts)."""
-    if task == "icl":
-        entities = re.findall(r"Input: (.*)\n", "".join(sample.contexts) + sample.input + "\n")
-        return entities + [c.strip() for c in sample.choices]
-    if task == "personalization":
-        return [c.strip() for c in sample.choices]
-    recalled = re.search(r"(?:name is|work as a|live in|called|learning|colour is) (.+)\.<\|im_end\|>$", sample.output)
-    return [recalled.group(1)]
+def _text(sample):
+    return "".join(sample.contexts) + sample.input + (sample.output or "") + "".join(sample.choices or ())
 
 
-@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("task", FAMILIES_WITH_ITEMS)
 def test_test_samples_use_only_test_items(task):
     """Test tasks, users and dialogues are built only from held-out items: never seen in training."""
-    for sample in make_samples(task, "test", 40, seed=1):
-        values = _values(task, sample)
-        assert values and all(value in TEST_ITEMS for value in values), values
+    for built in make_task_samples(task, "test", 60, seed=1):
+        assert built.items and all(item in TEST_ITEMS for item in built.items), built.items
+        assert all(item.lower() in _text(built.sample).lower() for item in built.items)
+
+
+def test_documents_come_from_the_split():
+    for built in make_task_samples("document", "test", 40, seed=1):
+        sample = built.sample
+        if built.wording == "document/reference":
+            assert all(context.strip() in passages("test") for context in sample.contexts)
+            assert f"{sample.input}{sample.output}" in passages("test")
+        else:
+            text = re.findall(r"[a-z]+", _text(sample).lower())
+            assert text and set(text) <= set(words("word", "test"))
 
 
 @pytest.mark.parametrize("task", list(TASKS))
 @settings(max_examples=10, deadline=None)
 @given(steps=st.integers(1, 16), seed=st.integers(0, 10_000))
 def test_format(task, steps, seed):
-    (sample,) = make_samples(task, "train", 1, seed=seed, steps=steps)
+    steps = min(steps, MAX_STEPS[task])
+    (built,) = make_task_samples(task, "train", 1, seed=seed, steps=steps)
+    sample = built.sample
+    assert built.task == task and built.wording.startswith(f"{task}/") and not built.held_out
     assert len(sample.contexts) == steps
     assert all(isinstance(c, str) and c for c in sample.contexts)
-    assert sample.input and sample.output
-    if task == "dialogue":
+    assert sample.input and sample.output.strip()
+    if METRIC[task] == "perplexity":
         assert sample.choices is None
-        assert all(c.startswith("<|im_start|>user\n") and c.endswith("<|im_end|>\n") for c in sample.contexts)
-        assert sample.output.endswith("<|im_end|>")
     else:
         assert sample.output in sample.choices and len(set(sample.choices)) == len(sample.choices) >= 2
+    if "<|im_start|>" in sample.input:
+        assert sample.output.endswith("<|im_end|>") and all(c.endswith("<|im_end|>\n") for c in sample.contexts)
 
 
 def test_answers_need_the_contexts():
-    """The asked fact or the label mapping appears in the contexts."""
-    for sample in make_samples("personalization", "test", 20, seed=2, steps=6):
-        assert sample.output.strip() in "".join(sample.contexts)
-    for sample in make_samples("dialogue", "test", 20, seed=2, steps=6):
-        recalled = sample.output.removesuffix("<|im_end|>").rstrip(".").split()[-1]
-        assert recalled in "".join(sample.contexts)
+    """The asked fact appears in the contexts (in whatever phrasing), not only in the question."""
+    for task in ("personalization", "dialogue"):
+        for built in make_task_samples(task, "test", 40, seed=2, steps=6):
+            sample = built.sample
+            answers = [item for item in built.items if item.lower() in sample.output.lower()]
+            assert answers and all(answer.lower() in "".join(sample.contexts).lower() for answer in answers)
+            assert not any(answer.lower() in sample.input.lower() for answer in answers)
+
+
+@pytest.mark.parametrize("task", FAMILIES_WITH_ITEMS)
+def test_wordings_are_many_and_some_held_out(task):
+    seen, unseen = wording_ids(task, "seen"), wording_ids(task, "unseen")
+    assert len(seen) >= 4 and len(unseen) >= 2 and not set(seen) & set(unseen)
+    train = make_task_samples(task, "train", 200, seed=0)
+    assert {b.wording for b in train} == set(seen) and not any(b.held_out for b in train)
+    held_out = make_task_samples(task, "test", 60, seed=0, wordings="unseen")
+    assert {b.wording for b in held_out} == set(unseen) and all(b.held_out for b in held_out)
+    assert {b.wording for b in make_task_samples(task, "test", 200, seed=0)} == {*seen, *unseen}
+
+
+def test_training_never_takes_held_out_wordings():
+    for wordings in ("unseen", "all"):
+        with pytest.raises(ValueError, match="would train on held-out wordings"):
+            make_samples("icl", "train", 1, wordings=wordings)
+    with pytest.raises(ValueError, match="wordings must be one of"):
+        make_samples("icl", "test", 1, wordings="new")
+    with pytest.raises(ValueError, match="'document' family has no unseen wordings"):
+        make_samples("document", "test", 1, wordings="unseen")
+
+
+def _literal_parts(template):
+    """The fixed text of a template, between its fields, stripped; parts under 2 characters are dropped."""
+    return {part.strip() for part in re.split(r"\{[a-z]*\}", template) if len(part.strip()) >= 2}
+
+
+def _templates(wording):
+    return [
+        getattr(wording, field)
+        for field in ("demonstration", "post", "question", "exchange")
+        if hasattr(wording, field)
+    ]
+
+
+def test_held_out_wordings_share_no_frame_or_phrase_with_training():
+    """No field name, separator phrase or sentence of an unseen wording occurs in any training sample."""
+    wordings = [w for family in FAMILIES_WITH_ITEMS for w in WORDINGS[family]]
+    seen_frames = {template for w in wordings if not w.held_out for template in _templates(w)}
+    held_out_parts = {
+        part
+        for w in wordings
+        if w.held_out
+        for template in _templates(w)
+        if template not in seen_frames  # a rephrased chat keeps the ChatML frame; its sentences are new
+        for part in _literal_parts(template)
+    }
+    phrasings = [p for fact in FACTS.values() for p in vars(fact).values() if isinstance(p, Phrasings)]
+    phrasings += [OPENERS, CLOSERS, FILLER]
+    for phrasing in phrasings:
+        for sentence in phrasing.unseen:
+            held_out_parts |= {part for part in _literal_parts(sentence) if len(part) >= 8}
+    for user, assistant in SMALL_TALK.unseen:
+        held_out_parts |= {part for part in _literal_parts(user) | _literal_parts(assistant) if len(part) >= 8}
+    training = "\n".join(
+        _text(built.sample) for built in make_task_samples(MIXTURE, "train", 600, seed=0) if built.task != "document"
+    )
+    assert held_out_parts and not [part for part in held_out_parts if part in training]
+
+
+def test_make_samples_keeps_its_signature():
+    samples = make_samples("dialogue", "test", 5, 3, 4)
+    assert samples == [b.sample for b in make_task_samples("dialogue", "test", 5, seed=3, steps=4)]
+    assert all(isinstance(s, OnlineSample) and len(s.contexts) == 4 for s in samples)
+
+
+def test_mixture_covers_every_family():
+    assert {b.task for b in make_task_samples(MIXTURE, "train", 8)} == set(TASKS)
+    assert {b.task for b in make_task_samples(MIXTURE, "test", 8, wordings="unseen")} == set(FAMILIES_WITH_ITEMS)
+
+
+@pytest.mark.parametrize("task", FAMILIES_WITH_ITEMS)
+def test_prompt_and_output_read_as_the_wording_writes_them(task):
+    """The input stops right where the answer starts: input + output is the wording's own text."""
+    for built in make_task_samples(task, "test", 30, seed=4, steps=2):
+        sample = built.sample
+        wording = next(w for w in WORDINGS[task] if w.id == built.wording)
+        template = _templates(wording)[-1]  # the one that holds the answer
+        suffix = template.split("{answer}")[1].rstrip()
+        assert sample.output.endswith(suffix) and not sample.input.endswith(" ")
 
 
 def test_eval_steps_match_the_paper():

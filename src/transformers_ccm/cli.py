@@ -114,8 +114,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from transformers_ccm.baseline import is_full_context_baseline
-    from transformers_ccm.evaluation import markdown, plot, score_samples, summarize
-    from transformers_ccm.tasks import EVAL_STEPS, METRIC, make_samples
+    from transformers_ccm.evaluation import FINETUNED, markdown, plot, score_samples, summarize
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
@@ -134,34 +134,58 @@ def cmd_eval(args: argparse.Namespace) -> None:
     }
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
+    baselines = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
+    if args.full_context_adapter:
+        baselines.append(
+            (FINETUNED, _load_full_context(args.full_context_adapter, args.model, reference), "full_context")
+        )
     results = []
     for task in args.tasks:
-        for steps in args.steps or EVAL_STEPS[task]:
-            samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps)
-            methods = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
-            methods += [(name, model, "ccm") for name, model in models.items()]
-            for name, model, method in methods:
-                score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
-                results.append({"task": task, **score.to_dict(), "method": name})
-                print(
-                    f"{task:16s} t={steps:<3d} {name:13s} {score.metric} {score.value:8.3f}  "
-                    f"context KV {score.context_kv_tokens:7.1f}  peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
-                    flush=True,
-                )
+        for wordings in ("seen", "unseen") if has_unseen_wordings(task) else ("seen",):
+            for steps in args.steps or EVAL_STEPS[task]:
+                samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps, wordings=wordings)
+                for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
+                    score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
+                    results.append({"task": task, "wordings": wordings, **score.to_dict(), "method": name})
+                    print(
+                        f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
+                        f"[{score.low:.3f}, {score.high:.3f}]  context KV {score.context_kv_tokens:7.1f}  "
+                        f"peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
+                        flush=True,
+                    )
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
-    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
+    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1) + "\n")
     plot(results, str(output / "eval.png"))
     (output / "eval.md").write_text(markdown(results, summary))
-    print("\nat the largest time step:")
+    print(f"\nat the largest time step ({args.samples} samples each; 95% intervals):")
     for row in summary:
+        gain, tuned = row["gain_recovered"], row["gain_recovered_finetuned"]
+        versus_tuned = "" if tuned is None else f", {tuned['value']:.0%} of the fine-tuned full-context gain"
         print(
-            f"{row['task']:16s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  full "
-            f"{row['full_context']:.3f}  ccm {row['ccm']:.3f}  gain recovered {row['gain_recovered']:.0%}  "
-            f"memory {row['context_memory_ratio']:.3f} of full context"
+            f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  "
+            f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
+            f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain['value']:.0%} [{gain['interval'][0]:.0%}, "
+            f"{gain['interval'][1]:.0%}]{versus_tuned}  memory {row['context_memory_ratio']:.3f} of full context"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
+
+
+def _load_full_context(adapter: str, model_name: str, reference: CCMForCausalLM) -> CCMForCausalLM:
+    """A full-context fine-tuned adapter (`conditional_lora=False`) for the same base as the CCM adapters."""
+    model, _ = _load_ccm(adapter, model_name)
+    if model.config.conditional_lora:
+        raise ValueError(
+            f"--full-context-adapter {adapter} is a compression adapter (conditional_lora=True); give one trained "
+            "with the whole history as plain prompt (conditional_lora=False)."
+        )
+    if model.config.base_model_shape != reference.config.base_model_shape:
+        raise ValueError(
+            f"--full-context-adapter {adapter} was made for {model.config.base_model_name_or_path}, not for the "
+            f"base of the compression adapters ({reference.config.base_model_name_or_path})."
+        )
+    return model
 
 
 def cmd_stream_eval(args: argparse.Namespace) -> None:
@@ -275,16 +299,25 @@ def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
             os.remove(temporary)
 
 
-DEMO_SCRIPT = (
-    "Hi! My name is Maria.",
-    "I work as a pharmacist.",
-    "I live in Oregon.",
-    "What do you think about music?",
-    "My best friend is called Tom.",
-    "Do you remember my name?",
-    "What do I do for a living?",
-    "What is my best friend called?",
-)
+# Names and a job from the test split of the word lists: training never saw them.
+DEMO_FACTS = {"name": "Isabel", "job": "astronomer", "friend": "George"}
+
+
+def demo_script(name: str, job: str, friend: str) -> list[str]:
+    """A natural conversation, worded unlike the training tasks: the user mentions their name, job and a friend
+    among small talk, then asks about each (the last three messages: name, job, friend)."""
+    from transformers_ccm.tasks.vocabulary import with_article
+
+    return [
+        f"Hey there! I'm {name}. I just got back from a long trip and I'm exhausted.",
+        "Do you have any tips for getting over jet lag?",
+        f"Thanks! Work starts again tomorrow. I'm {with_article(job)}, so it will be a busy week.",
+        "What's a good book for a rainy evening?",
+        f"Sounds great. My friend {friend} recommended something similar last month.",
+        "Quick check: what's my name?",
+        "And what is my job?",
+        "Who is the friend I mentioned?",
+    ]
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -296,7 +329,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
     )
     session = ChatSession(model, tokenizer, max_new_tokens=args.max_new_tokens)
-    for message in DEMO_SCRIPT[: args.turns]:
+    for message in demo_script(**DEMO_FACTS)[: args.turns]:
         print(f"you: {message}")
         _print_turn(session.turn(message))
 
@@ -354,9 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")
     _add_model(evaluate)
     evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
-    evaluate.add_argument("--tasks", nargs="+", default=["icl", "personalization", "dialogue"])
+    evaluate.add_argument(
+        "--tasks", nargs="+", default=["icl", "personalization", "dialogue"], help="also: document (general text)"
+    )
     evaluate.add_argument("--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's)")
-    evaluate.add_argument("--samples", type=int, default=48)
+    evaluate.add_argument(
+        "--samples", type=int, default=200, help="held-out samples per task, wording set (seen, unseen) and time step"
+    )
+    evaluate.add_argument(
+        "--full-context-adapter",
+        default=None,
+        help="a full-context fine-tuned adapter (conditional_lora=False): the paper's upper bound, scored with the "
+        "whole history as plain prompt",
+    )
     evaluate.add_argument("--batch-size", type=int, default=16)
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--output-dir", default="docs/results")
@@ -376,7 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--output-dir", default="docs/results/streaming")
     stream.set_defaults(handler=cmd_stream_eval)
 
-    for name, handler, text in (("chat", cmd_chat, "talk with memory"), ("demo", cmd_demo, "a scripted chat")):
+    for name, handler, text in (
+        ("chat", cmd_chat, "talk with memory"),
+        ("demo", cmd_demo, "a scripted chat that asks what it was told"),
+    ):
         sub = commands.add_parser(name, help=text)
         _add_model(sub)
         sub.add_argument("--update", choices=["concat", "merge"], default="concat", help="which shipped adapter")
@@ -385,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "chat":
             sub.add_argument("--memory-file", default=None, help="keep this user's memory between runs")
         else:
-            sub.add_argument("--turns", type=int, default=len(DEMO_SCRIPT))
+            sub.add_argument("--turns", type=int, default=None, help="stop after this many turns (default: all)")
         sub.set_defaults(handler=handler)
     return parser
 

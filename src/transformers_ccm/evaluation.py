@@ -2,14 +2,18 @@
 
 Accuracy follows the MetaICL protocol (the choice with the highest mean log-likelihood per token wins);
 perplexity is over the output tokens. Every method scores the same samples; the KV memory it needs is
-reported in tokens (context part and peak) and bytes.
+reported in tokens (context part and peak) and bytes. Every score comes with a 95% interval: Wilson's for
+accuracy, a bootstrap over samples for perplexity; gain recovered gets a paired bootstrap (the methods share
+their samples, so one resample of samples re-scores all of them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -19,23 +23,66 @@ from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 
 METHODS = ("no_context", "full_context", "ccm")
+Z_95 = 1.959963984540054  # the standard normal quantile of 0.975
+BOOTSTRAP_RESAMPLES = 2000
+Row = dict[str, Any]  # one result or summary row, as eval.json stores it
 
 
 @dataclass
 class MethodScore:
-    """One method at one time step."""
+    """One method at one time step, with a 95% interval `[low, high]` of its value."""
 
     method: str
     steps: int
     metric: str
     value: float
+    low: float
+    high: float
     context_kv_tokens: float  # mean KV slots that hold the context (tokens, or <COMP> slots for CCM)
     peak_kv_tokens: int  # the most KV slots any sample needed (context + input + output)
     peak_kv_bytes: int
     samples: int
+    # per sample (numerator, denominator) of the value: (correct, 1) for accuracy, (output NLL, output tokens)
+    # for perplexity; kept so that intervals and paired comparisons can be recomputed from eval.json
+    per_sample: list[tuple[float, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson's score interval of an accuracy `correct / total` (sound near 0 and 1, and for small totals)."""
+    if total <= 0:
+        raise ValueError(f"An interval needs at least one sample, got total={total}.")
+    share = correct / total
+    centre = (share + z * z / (2 * total)) / (1 + z * z / total)
+    half = z / (1 + z * z / total) * math.sqrt(share * (1 - share) / total + z * z / (4 * total * total))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _resamples(count: int, seed: int = 0) -> torch.Tensor:
+    """`(BOOTSTRAP_RESAMPLES, count)` sample indices drawn with replacement, the same for the same count."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(count, (BOOTSTRAP_RESAMPLES, count), generator=generator)
+
+
+def _log_score(per_sample: Sequence[Sequence[float]], metric: str, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Accuracy, or minus the log-perplexity, of the samples `index` (`(..., n)`; all when None): higher is
+    better, and gains are measured on this scale."""
+    table = torch.tensor(per_sample, dtype=torch.float64)
+    if index is not None:
+        table = table[index]
+    ratio = table[..., 0].sum(-1) / table[..., 1].sum(-1)
+    return ratio if metric == "accuracy" else -ratio
+
+
+def value_interval(per_sample: Sequence[Sequence[float]], metric: str) -> tuple[float, float]:
+    """The 95% interval of an accuracy (Wilson) or a perplexity (percentile bootstrap over samples)."""
+    if metric == "accuracy":
+        return wilson_interval(round(sum(c for c, _ in per_sample)), len(per_sample))
+    log_perplexity = -_log_score(per_sample, metric, _resamples(len(per_sample)))
+    low, high = torch.quantile(log_perplexity, torch.tensor([0.025, 0.975], dtype=torch.float64)).exp().tolist()
+    return low, high
 
 
 def kv_bytes_per_token(model: CCMForCausalLM) -> int:
@@ -79,11 +126,18 @@ def score_samples(
     metric: str,
     batch_size: int = 16,
 ) -> MethodScore:
-    """Score `samples` (all with the same number of contexts) with one method."""
+    """Score `samples` (all with the same number of contexts) with one method.
+
+    `"no_context"` and `"full_context"` read the history (or nothing) as a plain prompt: a compression adapter
+    (conditional LoRA) never acts on plain tokens, so that is its base model; an adapter with
+    `conditional_lora=False` acts everywhere, so a full-context fine-tuned adapter scores as itself.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if not samples:
+        raise ValueError("score_samples got no samples.")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    correct, log_prob_sum, token_count = 0, 0.0, 0
+    per_sample: list[tuple[float, int]] = []
     context_tokens, peak = 0, 0
     for begin in range(0, len(samples), batch_size):
         batch = samples[begin : begin + batch_size]
@@ -117,7 +171,8 @@ def score_samples(
                     input_ids=ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache.copy()
                 ).logits
             else:
-                with model.adapter_disabled():
+                plain = model.adapter_disabled() if model.config.conditional_lora else contextlib.nullcontext()
+                with plain:
                     logits = model.base_model(
                         input_ids=ids.to(model.device), attention_mask=mask.to(model.device)
                     ).logits
@@ -130,23 +185,26 @@ def score_samples(
             for row, target in enumerate(targets):
                 scores[row].append(target.mean().item())
                 if metric == "perplexity":
-                    log_prob_sum += target.sum().item()
-                    token_count += target.numel()
+                    per_sample.append((-target.sum().item(), target.numel()))
                 peak = max(peak, memory[row] + len(rows[row]))  # full context: rows hold the contexts
         for row in range(len(batch)):
             context_tokens += memory[row] + (sum(map(len, contexts[row])) if method == "full_context" else 0)
             if metric == "accuracy":
-                correct += int(max(range(len(scores[row])), key=scores[row].__getitem__) == answers[row])
-    value = correct / len(samples) if metric == "accuracy" else math.exp(-log_prob_sum / token_count)
+                per_sample.append((float(max(range(len(scores[row])), key=scores[row].__getitem__) == answers[row]), 1))
+    score = _log_score(per_sample, metric).item()
+    low, high = value_interval(per_sample, metric)
     return MethodScore(
         method=method,
         steps=len(samples[0].contexts),
         metric=metric,
-        value=value,
+        value=score if metric == "accuracy" else math.exp(-score),
+        low=low,
+        high=high,
         context_kv_tokens=context_tokens / len(samples),
         peak_kv_tokens=peak,
         peak_kv_bytes=peak * kv_bytes_per_token(model),
         samples=len(samples),
+        per_sample=per_sample,
     )
 
 
@@ -158,82 +216,152 @@ def gain_recovered(no_context: float, full_context: float, ccm: float, metric: s
     return (ccm - no_context) / gain if gain else float("nan")
 
 
-def summarize(results: Sequence[dict[str, object]]) -> list[dict[str, object]]:
-    """Per task and CCM method, at the task's largest time step: score, gain recovered, KV memory ratio."""
-    rows = []
-    for task in sorted({str(r["task"]) for r in results}):
-        task_results = [r for r in results if r["task"] == task]
-        steps = max(int(r["steps"]) for r in task_results)
-        at = {str(r["method"]): r for r in task_results if r["steps"] == steps}
-        no, full = at["no_context"], at["full_context"]
+def gain_recovered_interval(
+    no_context: Sequence[Sequence[float]],
+    full_context: Sequence[Sequence[float]],
+    ccm: Sequence[Sequence[float]],
+    metric: str,
+) -> tuple[float, float]:
+    """95% paired-bootstrap interval of `gain_recovered` from the three methods' `per_sample` scores on the
+    same samples (NaN, NaN when most resamples show no gain to recover)."""
+    if not len(no_context) == len(full_context) == len(ccm):
+        raise ValueError(
+            f"Gain recovered compares methods on the same samples; got {len(no_context)}, {len(full_context)} "
+            f"and {len(ccm)} samples."
+        )
+    index = _resamples(len(ccm), seed=1)
+    no, full, compressed = (_log_score(scores, metric, index) for scores in (no_context, full_context, ccm))
+    gains = (compressed - no) / (full - no)
+    gains = gains[gains.isfinite()]
+    if gains.numel() < BOOTSTRAP_RESAMPLES // 2:
+        return float("nan"), float("nan")
+    low, high = torch.quantile(gains, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+FINETUNED = "full_context_finetuned"  # a full-context adapter (conditional_lora=False), the paper's upper bound
+WORDING_ORDER = ("seen", "unseen", "all")
+
+
+def _gain(no_context: Row, full_context: Row, ccm: Row) -> Row:
+    """Gain recovered with its 95% interval, from three result rows on the same samples."""
+    metric = str(ccm["metric"])
+    value = gain_recovered(no_context["value"], full_context["value"], ccm["value"], metric)
+    interval = gain_recovered_interval(no_context["per_sample"], full_context["per_sample"], ccm["per_sample"], metric)
+    return {"value": value, "interval": list(interval)}
+
+
+def summarize(results: Sequence[Row]) -> list[Row]:
+    """Per task, wording set and CCM method, at the task's largest time step: the scores with their 95%
+    intervals, the gain recovered against the base model with full context and, when scored, against the
+    fine-tuned full-context adapter, and the KV memory ratio."""
+    rows: list[Row] = []
+    groups = sorted(
+        {(str(r["task"]), str(r["wordings"])) for r in results}, key=lambda g: (g[0], WORDING_ORDER.index(g[1]))
+    )
+    for task, wordings in groups:
+        group = [r for r in results if r["task"] == task and r["wordings"] == wordings]
+        steps = max(int(r["steps"]) for r in group)
+        at = {str(r["method"]): r for r in group if r["steps"] == steps}
+        no, full, tuned = at["no_context"], at["full_context"], at.get(FINETUNED)
         for method, result in sorted(at.items()):
             if not method.startswith("ccm"):
                 continue
             rows.append(
                 {
                     "task": task,
+                    "wordings": wordings,
                     "steps": steps,
                     "method": method,
                     "metric": result["metric"],
+                    "samples": result["samples"],
                     "no_context": no["value"],
                     "full_context": full["value"],
+                    FINETUNED: None if tuned is None else tuned["value"],
                     "ccm": result["value"],
-                    "gain_recovered": gain_recovered(
-                        float(no["value"]), float(full["value"]), float(result["value"]), str(result["metric"])
-                    ),
+                    "ccm_interval": [result["low"], result["high"]],
+                    "gain_recovered": _gain(no, full, result),
+                    "gain_recovered_finetuned": None if tuned is None else _gain(no, tuned, result),
                     "context_memory_ratio": float(result["context_kv_tokens"]) / float(full["context_kv_tokens"]),
                 }
             )
     return rows
 
 
-def plot(results: Sequence[dict[str, object]], path: str) -> None:
-    """Performance and context KV memory over time steps, per task (like the paper's Fig. 4 and 9)."""
+def plot(results: Sequence[Row], path: str) -> None:
+    """Performance (with 95% intervals, seen wordings solid, unseen dashed) and context KV memory over time
+    steps, per task (like the paper's Fig. 4 and 9)."""
     plt = pyplot()
 
     tasks = sorted({str(r["task"]) for r in results})
-    figure, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.4), squeeze=False)
+    methods = sorted({str(r["method"]) for r in results})
+    colors = {method: f"C{index}" for index, method in enumerate(methods)}
+    figure, axes = plt.subplots(2, len(tasks), figsize=(4.6 * len(tasks), 6.8), squeeze=False)
     for column, task in enumerate(tasks):
         task_results = [r for r in results if r["task"] == task]
-        for method in sorted({str(r["method"]) for r in task_results}):
-            points = sorted((int(r["steps"]), r) for r in task_results if r["method"] == method)
+        for method, wordings in sorted({(str(r["method"]), str(r["wordings"])) for r in task_results}):
+            points = sorted(
+                ((int(r["steps"]), r) for r in task_results if r["method"] == method and r["wordings"] == wordings),
+                key=lambda point: point[0],
+            )
             steps = [s for s, _ in points]
-            axes[0][column].plot(steps, [float(r["value"]) for _, r in points], marker="o", label=method)
-            axes[1][column].plot(steps, [float(r["context_kv_tokens"]) for _, r in points], marker="o", label=method)
-        metric = str(task_results[0]["metric"])
+            style = {"color": colors[method], "linestyle": "--" if wordings == "unseen" else "-", "marker": "o"}
+            top = axes[0][column]
+            top.plot(steps, [float(r["value"]) for _, r in points], label=f"{method} ({wordings})", **style)
+            low, high = [float(r["low"]) for _, r in points], [float(r["high"]) for _, r in points]
+            top.fill_between(steps, low, high, color=colors[method], alpha=0.12)
+            if wordings != "unseen":  # the memory a method holds does not depend on the wording
+                axes[1][column].plot(steps, [float(r["context_kv_tokens"]) for _, r in points], label=method, **style)
         axes[0][column].set_title(task)
-        axes[0][column].set_ylabel(metric)
+        axes[0][column].set_ylabel(f"{task_results[0]['metric']} (95% interval shaded)")
         axes[1][column].set_ylabel("context KV length (tokens or slots)")
         axes[1][column].set_xlabel("time step t")
         for row in axes:
             row[column].set_xscale("log", base=2)
             row[column].grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def markdown(results: Sequence[dict[str, object]], summary: Sequence[dict[str, object]]) -> str:
-    """The summary at the largest time step, then every time step, as Markdown tables."""
+def _with_interval(value: float, interval: Sequence[float]) -> str:
+    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def _gain_text(gain: Row | None) -> str:
+    if gain is None:
+        return "-"
+    low, high = gain["interval"]
+    return f"{gain['value']:.0%} [{low:.0%}, {high:.0%}]"
+
+
+def markdown(results: Sequence[Row], summary: Sequence[Row]) -> str:
+    """The summary at the largest time step, then every time step, as Markdown tables with 95% intervals."""
     lines = [
-        "| task | method | metric | no context | full context | CCM | gain recovered | context memory vs full |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| task | wordings | method | metric | no context | full context (base) | full context (fine-tuned) | "
+        "CCM [95% CI] | gain recovered vs base | vs fine-tuned | context memory vs full |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary:
+        tuned = row[FINETUNED]
         lines.append(
-            f"| {row['task']} (t={row['steps']}) | {row['method']} | {row['metric']} | {row['no_context']:.3f} | "
-            f"{row['full_context']:.3f} | {row['ccm']:.3f} | {row['gain_recovered']:.0%} | "
+            f"| {row['task']} (t={row['steps']}) | {row['wordings']} | {row['method']} | {row['metric']} | "
+            f"{row['no_context']:.3f} | {row['full_context']:.3f} | {'-' if tuned is None else f'{tuned:.3f}'} | "
+            f"{_with_interval(row['ccm'], row['ccm_interval'])} | "
+            f"{_gain_text(row['gain_recovered'])} | {_gain_text(row['gain_recovered_finetuned'])} | "
             f"{row['context_memory_ratio']:.3f} |"
         )
     lines += [
         "",
-        "| task | t | method | metric | value | context KV (tokens or slots) | peak KV (MiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| task | wordings | t | method | metric | value [95% CI] | samples | context KV (tokens or slots) "
+        "| peak KV (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
-            f"| {r['task']} | {r['steps']} | {r['method']} | {r['metric']} | {float(r['value']):.3f} | "
+            f"| {r['task']} | {r['wordings']} | {r['steps']} | {r['method']} | {r['metric']} | "
+            f"{_with_interval(float(r['value']), [float(r['low']), float(r['high'])])} | {r['samples']} | "
             f"{float(r['context_kv_tokens']):.1f} | {int(r['peak_kv_bytes']) / 2**20:.2f} |"
         )
     return "\n".join(lines) + "\n"

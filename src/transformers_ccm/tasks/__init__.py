@@ -1,7 +1,8 @@
 """Built-in online tasks mirroring the paper's applications, and the JSONL format for your own.
 
 Every family is deterministic by seed and split by identity: test tasks, users and dialogues are built
-from word-list items that training never sees.
+from word-list items that training never sees. Every family is written in many wordings; some wordings are
+held out of training and appear only in the test split (`wordings="unseen"`).
 """
 
 from __future__ import annotations
@@ -9,46 +10,108 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers_ccm.data import OnlineSample
-from transformers_ccm.tasks.dialogue import dialogue_sample
-from transformers_ccm.tasks.icl import icl_sample
-from transformers_ccm.tasks.personalization import personalization_sample
+from transformers_ccm.tasks import dialogue, document, icl, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
+from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
 
-Generator = Callable[[random.Random, Split, int], OnlineSample]
+Generator = Callable[[random.Random, Split, int, Any], Built]
 
 TASKS: dict[str, Generator] = {
-    "icl": icl_sample,
-    "personalization": personalization_sample,
-    "dialogue": dialogue_sample,
+    "icl": icl.icl_sample,
+    "personalization": personalization.personalization_sample,
+    "dialogue": dialogue.dialogue_sample,
+    "document": document.document_sample,
+}
+WORDINGS: dict[str, Sequence[Any]] = {
+    "icl": icl.WORDINGS,
+    "personalization": personalization.WORDINGS,
+    "dialogue": dialogue.WORDINGS,
+    "document": document.WORDINGS,
 }
 # How each family is scored, and the time steps the paper reports for it.
-METRIC = {"icl": "accuracy", "personalization": "accuracy", "dialogue": "perplexity"}
-EVAL_STEPS = {"icl": (1, 2, 4, 8, 16), "personalization": (1, 2, 4, 8, 16), "dialogue": (1, 2, 4, 8, 12)}
-MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12}
+METRIC = {"icl": "accuracy", "personalization": "accuracy", "dialogue": "perplexity", "document": "perplexity"}
+EVAL_STEPS = {
+    "icl": (1, 2, 4, 8, 16),
+    "personalization": (1, 2, 4, 8, 16),
+    "dialogue": (1, 2, 4, 8, 12),
+    "document": (1, 2, 4, 8),
+}
+MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "document": 8}
 MIXTURE = "mixture"
 
 
-def make_samples(task: str, split: Split, count: int, seed: int = 0, steps: int | None = None) -> list[OnlineSample]:
-    """`count` samples of a built-in task ("icl", "personalization", "dialogue" or "mixture").
+def wording_ids(task: str, wordings: WordingSet = "all") -> list[str]:
+    """The ids of the wordings of `task` (or of every family, for "mixture") in the set `wordings`."""
+    families = list(TASKS) if task == MIXTURE else [_check_task(task)]
+    return [
+        w.id
+        for family in families
+        for w in WORDINGS[family]
+        if wordings == "all" or w.held_out == (wordings == "unseen")
+    ]
+
+
+def has_unseen_wordings(task: str) -> bool:
+    """Whether some wordings of `task` are held out of training."""
+    return bool(wording_ids(task, "unseen"))
+
+
+def make_task_samples(
+    task: str,
+    split: Split,
+    count: int,
+    seed: int = 0,
+    steps: int | None = None,
+    wordings: WordingSet | None = None,
+) -> list[TaskSample]:
+    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "document" or "mixture"), each
+    with its wording id and the word-list items it uses.
 
     With `steps=None` each sample has a random number of contexts (1 to the family's maximum); otherwise
-    exactly `steps`. The same arguments always give the same samples.
+    exactly `steps`. `wordings` picks the surface forms: "seen" (the default for training; the only set
+    training accepts), "unseen" (held out of training) or "all" (the default for the test split). A mixture
+    asking for unseen wordings draws from the families that have some. The same arguments always give the
+    same samples.
     """
-    if task != MIXTURE and task not in TASKS:
-        raise ValueError(f"Unknown task {task!r}; choose one of {[*TASKS, MIXTURE]} or pass a JSONL file.")
+    if task != MIXTURE:
+        _check_task(task)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
-    rng = random.Random(f"{task}:{split}:{seed}:{steps}")
+    which = check_wording_set(split, wordings)
+    families = [task] if task != MIXTURE else [f for f in TASKS if which != "unseen" or has_unseen_wordings(f)]
+    pools = {family: select(family, WORDINGS[family], which) for family in families}
+    rng = random.Random(f"{task}:{split}:{seed}:{steps}:{which}")
     samples = []
     for index in range(count):
-        family = list(TASKS)[index % len(TASKS)] if task == MIXTURE else task
+        family = families[index % len(families)]
         sample_steps = steps if steps is not None else rng.randint(1, MAX_STEPS[family])
-        samples.append(TASKS[family](rng, split, sample_steps))
+        wording = rng.choice(pools[family])
+        sample, items = TASKS[family](rng, split, sample_steps, wording)
+        samples.append(TaskSample(sample, family, wording.id, wording.held_out, items))
     return samples
+
+
+def make_samples(
+    task: str,
+    split: Split,
+    count: int,
+    seed: int = 0,
+    steps: int | None = None,
+    wordings: WordingSet | None = None,
+) -> list[OnlineSample]:
+    """The samples of `make_task_samples` without their provenance."""
+    return [built.sample for built in make_task_samples(task, split, count, seed, steps, wordings)]
+
+
+def _check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; choose one of {[*TASKS, MIXTURE]} or pass a JSONL file.")
+    return task
 
 
 def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) -> None:
@@ -117,4 +180,18 @@ def _check_record(record: dict, where: str) -> None:
         raise ValueError(f"{where}: the output {output!r:.40} is not among the choices; add it to 'choices'.")
 
 
-__all__ = ["EVAL_STEPS", "METRIC", "MIXTURE", "TASKS", "load_jsonl", "make_samples", "save_jsonl"]
+__all__ = [
+    "EVAL_STEPS",
+    "METRIC",
+    "MIXTURE",
+    "TASKS",
+    "WORDINGS",
+    "WORDING_SETS",
+    "TaskSample",
+    "has_unseen_wordings",
+    "load_jsonl",
+    "make_samples",
+    "make_task_samples",
+    "save_jsonl",
+    "wording_ids",
+]

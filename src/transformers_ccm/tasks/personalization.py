@@ -5,44 +5,78 @@ what the user revealed in them.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from transformers_ccm.data import OnlineSample
+from transformers_ccm.tasks.facts import FACTS, SMALL_TALK, draw_facts, fill
 from transformers_ccm.tasks.vocabulary import Split, words
+from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
 
-# attribute: (pool, how a post reveals it, the question about it)
-ATTRIBUTES = {
-    "job": ("job", "Work was busy today, as usual for a {}.", "What does this user work as?"),
-    "country": ("country", "Nothing beats coming home to {} after a long trip.", "Which country is this user from?"),
-    "language": ("language", "I practised my {} again this evening.", "Which language is this user learning?"),
-    "color": ("color", "I painted my bedroom {} this weekend.", "Which colour did this user paint their room?"),
-    "state": ("state", "The weather in {} was lovely this morning.", "In which state does this user live?"),
-    "friend": ("first_name", "Had a long coffee with my friend {} today.", "What is the name of this user's friend?"),
-}
-FILLER = (
-    "Just finished a good book about {}.",
-    "Thinking about {} all day long.",
-    "Does anyone else care about {} as much as I do?",
-    "Learned something new about {} today.",
+
+@dataclass(frozen=True)
+class ProfileWording:
+    """A post (`{post}`) and the question about the user (`{q}`, then `{answer}`)."""
+
+    id: str
+    post: str
+    question: str
+    held_out: bool = False
+
+
+WORDINGS = (
+    ProfileWording("personalization/post", "Post: {post}\n", "Question: {q}\nAnswer: {answer}"),
+    ProfileWording("personalization/tweet", "Tweet: {post}\n", "Query: {q}\nResponse: {answer}"),
+    ProfileWording("personalization/bullet", "- {post}\n", "{q} {answer}"),
+    ProfileWording(
+        "personalization/journal", "Journal entry: {post}\n\n", "Based on the journal entries: {q}\nAnswer: {answer}"
+    ),
+    ProfileWording(
+        "personalization/chat",
+        "<|im_start|>user\n{post}<|im_end|>\n",
+        "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n",
+    ),
+    ProfileWording(
+        "personalization/status",
+        "Status update: {post}\n",
+        "Question about the author: {q}\nReply: {answer}",
+        held_out=True,
+    ),
+    ProfileWording("personalization/quote", '"{post}"\n', "{q}\nThe answer is {answer}.", held_out=True),
+    ProfileWording("personalization/forum", "[forum] {post}\n", "Q) {q}\nA) {answer}", held_out=True),
+)
+KINDS = ["job", "country", "language", "color", "home", "friend", "hobby", "pet"]
+FILLER = Phrasings(
+    (
+        "Just finished a good book about {v}.",
+        "Thinking about {v} all day long.",
+        "Does anyone else care about {v} as much as I do?",
+        "Learned something new about {v} today.",
+        *(user for user, _ in SMALL_TALK.seen),
+    ),
+    ("Can't believe how much I've read about {v} this month.", *(user for user, _ in SMALL_TALK.unseen)),
 )
 
 
-def personalization_sample(rng: random.Random, split: Split, steps: int, choices: int = 3) -> OnlineSample:
-    """A user with `steps` posts (some reveal attributes, the rest are filler) and a question about one."""
-    attributes = rng.sample(sorted(ATTRIBUTES), min(len(ATTRIBUTES), max(1, (steps + 1) // 2)))
-    profile = {name: rng.choice(words(ATTRIBUTES[name][0], split)) for name in attributes}
-    posts = [ATTRIBUTES[name][1].format(value) for name, value in profile.items()]
+def personalization_sample(
+    rng: random.Random, split: Split, steps: int, wording: ProfileWording, choices: int = 3
+) -> Built:
+    """A user with `steps` posts (some reveal facts, the rest are filler) and a question about one fact."""
+    profile = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
+    posts = [fill(FACTS[kind].statements.pick(rng, wording.held_out), value) for kind, value in profile.items()]
     while len(posts) < steps:
-        posts.append(rng.choice(FILLER).format(rng.choice(words("word", split))))
-    posts = posts[:steps]
+        posts.append(fill(FILLER.pick(rng, wording.held_out), rng.choice(words("word", split))))
     rng.shuffle(posts)
-    revealed = [name for name in attributes if any(ATTRIBUTES[name][1].format(profile[name]) == p for p in posts)]
-    asked = rng.choice(revealed)
-    pool, _, question = ATTRIBUTES[asked]
-    options = [profile[asked], *rng.sample([w for w in words(pool, split) if w != profile[asked]], choices - 1)]
+    asked = rng.choice(sorted(profile))
+    value = profile[asked]
+    pool = [w for w in words(FACTS[asked].pool, split) if w != value]
+    options = [value, *rng.sample(pool, choices - 1)]
     rng.shuffle(options)
-    return OnlineSample(
-        contexts=[f"Post: {post}\n" for post in posts],
-        input=f"Question: {question}\nAnswer:",
-        output=f" {profile[asked]}",
-        choices=[f" {option}" for option in options],
+    question = FACTS[asked].about.pick(rng, wording.held_out)
+    prompt, output = at_answer(wording.question, value, q=question)
+    sample = OnlineSample(
+        contexts=[wording.post.format(post=post) for post in posts],
+        input=prompt,
+        output=output,
+        choices=[at_answer(wording.question, option, q="")[1] for option in options],
     )
+    return sample, (*profile.values(), *options)

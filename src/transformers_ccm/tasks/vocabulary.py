@@ -1,33 +1,60 @@
-"""Real word lists that install offline (from Faker's data), split by identity into train and test."""
+"""Real word lists that install offline (from Faker's data, plus short lists of hobbies and pets), split by
+identity into train and test."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from transformers_ccm.extras import require
 
 _PURPOSE = "The built-in tasks' word lists"
-Address = require("faker.providers.address.en_US", _PURPOSE).Provider
-Color = require("faker.providers.color.en_US", _PURPOSE).Provider
-Job = require("faker.providers.job.en_US", _PURPOSE).Provider
-Lorem = require("faker.providers.lorem.en_US", _PURPOSE).Provider
-Person = require("faker.providers.person", _PURPOSE).Provider
-EnglishPerson = require("faker.providers.person.en_US", _PURPOSE).Provider
 
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
 TEST_FRACTION = 5  # one item in five is held out for the test split
 
 
+HOBBIES = (
+    "archery", "baking", "beekeeping", "birdwatching", "board games", "bouldering", "bowling", "boxing",
+    "calligraphy", "camping", "chess", "cooking", "crochet", "crossword puzzles", "cycling", "dancing", "drawing",
+    "embroidery", "fencing", "fishing", "gardening", "golf", "gymnastics", "hiking", "horse riding", "ice skating",
+    "jigsaw puzzles", "journaling", "judo", "juggling", "karate", "kayaking", "knitting", "meditation",
+    "mountain biking", "origami", "painting", "photography", "pilates", "poetry", "pottery", "rock climbing",
+    "roller skating", "running", "sailing", "scuba diving", "sewing", "singing", "skateboarding", "skiing",
+    "snowboarding", "stargazing", "surfing", "swimming", "table tennis", "tennis", "trail running", "volleyball",
+    "woodworking", "yoga",
+)  # fmt: skip
+PETS = (
+    "alpaca", "axolotl", "beagle", "bearded dragon", "budgie", "bulldog", "canary", "cat", "chameleon",
+    "chinchilla", "cockatiel", "cockatoo", "collie", "corgi", "dachshund", "dog", "donkey", "duck", "ferret",
+    "gecko", "gerbil", "goat", "goldfish", "greyhound", "guinea pig", "hamster", "hedgehog", "horse", "husky",
+    "iguana", "koi", "labrador", "lizard", "llama", "lovebird", "macaw", "mouse", "parrot", "persian cat", "pig",
+    "pigeon", "pony", "poodle", "rabbit", "rat", "siamese cat", "snake", "tabby cat", "tarantula", "terrier",
+    "tortoise", "tree frog", "turtle",
+)  # fmt: skip
+
+
+def with_article(noun: str) -> str:
+    """`noun` with its indefinite article: "a nurse", "an engineer"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _words(text: str) -> str:
     return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", text).lower()
 
 
+def _provider(module: str) -> Any:
+    return require(f"faker.providers.{module}", _PURPOSE).Provider
+
+
 @functools.cache
 def _pools() -> dict[str, tuple[str, ...]]:
+    # Faker is imported on first use, so that importing the tasks (and `with_article`) needs no extra.
+    Address, Color, Job = _provider("address.en_US"), _provider("color.en_US"), _provider("job.en_US")
+    Lorem, Person, EnglishPerson = _provider("lorem.en_US"), _provider("person"), _provider("person.en_US")
     jobs = [job for job in Job.jobs if "," not in job and "(" not in job and len(job.split()) <= 2]
     return {
         "first_name": tuple(sorted(set(EnglishPerson.first_names_male) | set(EnglishPerson.first_names_female))),
@@ -37,10 +64,12 @@ def _pools() -> dict[str, tuple[str, ...]]:
         "state": tuple(Address.states),
         "color": tuple(sorted({_words(name) for name in Color.all_colors})),
         "word": tuple(sorted({w for w in Lorem.word_list if w.isalpha() and 4 <= len(w) <= 8})),
+        "hobby": HOBBIES,
+        "pet": PETS,
     }
 
 
-POOLS: tuple[str, ...] = ("first_name", "country", "language", "job", "state", "color", "word")
+POOLS: tuple[str, ...] = ("first_name", "country", "language", "job", "state", "color", "word", "hobby", "pet")
 
 
 def in_test_split(item: str) -> bool:

@@ -1,0 +1,83 @@
+"""General multi-segment text: consecutive passages of a document, each one context; the input is the start
+of the next passage and the output its rest. Trained with dense supervision, every passage after the first
+is predicted from the memory of those before it. Scored by perplexity.
+
+Sources: the Python language reference that ships with Python (`text.long_text`, split by topic), and,
+when Faker is installed, Faker's lorem prose over the split's word list.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import random
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers_ccm.data import OnlineSample
+from transformers_ccm.tasks.text import long_text
+from transformers_ccm.tasks.vocabulary import Split, words
+from transformers_ccm.tasks.wordings import Built
+
+MAX_WORDS = 48  # a passage: about 60 tokens, near the paper's ~50-token contexts
+MIN_WORDS = 6
+PROMPT_WORDS = 4  # the input: the first words of the next passage
+
+
+@dataclass(frozen=True)
+class DocumentWording:
+    """Where the passages come from."""
+
+    id: str
+    source: Literal["reference", "lorem"]
+    held_out: bool = False
+
+
+WORDINGS = (
+    DocumentWording("document/reference", "reference"),
+    *((DocumentWording("document/lorem", "lorem"),) if importlib.util.find_spec("faker") else ()),
+)
+
+
+@functools.cache
+def passages(split: Split) -> tuple[str, ...]:
+    """The reference text of `split` cut into passages of `MIN_WORDS` to `MAX_WORDS` words, in order."""
+    cut = []
+    for paragraph in long_text(split).split("\n\n"):
+        tokens = paragraph.split()
+        for start in range(0, len(tokens), MAX_WORDS):
+            piece = tokens[start : start + MAX_WORDS]
+            if len(piece) >= MIN_WORDS:
+                cut.append(" ".join(piece))
+    return tuple(cut)
+
+
+@functools.cache
+def _faker() -> Any:
+    from faker import Faker
+
+    return Faker("en_US")
+
+
+def _lorem(rng: random.Random, split: Split, count: int) -> list[str]:
+    fake = _faker()
+    fake.seed_instance(rng.getrandbits(32))
+    vocabulary = list(words("word", split))
+    return [fake.paragraph(nb_sentences=3, ext_word_list=vocabulary) for _ in range(count)]
+
+
+def document_sample(rng: random.Random, split: Split, steps: int, wording: DocumentWording) -> Built:
+    """`steps` consecutive passages, then the start of the next one as the input and its rest as the output."""
+    if wording.source == "reference":
+        text = passages(split)
+        start = rng.randrange(len(text) - steps)
+        pieces = list(text[start : start + steps + 1])
+    else:
+        pieces = _lorem(rng, split, steps + 1)
+    *contexts, last = pieces
+    head = last.split()
+    return OnlineSample(
+        contexts=[f"{piece}\n\n" for piece in contexts],
+        input=" ".join(head[:PROMPT_WORDS]),
+        output=" " + " ".join(head[PROMPT_WORDS:]),
+    ), ()

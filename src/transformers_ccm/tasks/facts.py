@@ -1,0 +1,193 @@
+"""Personal facts a user reveals, in many phrasings: shared by the personalization and dialogue families.
+
+Fields: `{v}` is the value, `{a}` the value with its article ("an artist"). Every sentence has paraphrases
+for seen wordings and others kept for unseen wordings (see `wordings.Phrasings`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from transformers_ccm.tasks.vocabulary import Split, with_article, words
+from transformers_ccm.tasks.wordings import Phrasings
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One kind of personal fact and the ways it is said, asked and recalled."""
+
+    pool: str
+    statements: Phrasings  # the user says it (first person)
+    questions: Phrasings  # the user asks the assistant about it (second person)
+    about: Phrasings  # a question about the user (third person), for profiles
+    recalls: Phrasings  # the assistant answers the user's question
+    acknowledgements: Phrasings  # the assistant's reply when told
+
+
+FACTS: dict[str, Fact] = {
+    "name": Fact(
+        "first_name",
+        Phrasings(
+            ("My name is {v}.", "I'm {v}, by the way.", "Call me {v}.", "People call me {v}."),
+            ("The name's {v}.", "You can call me {v}, that's my name."),
+        ),
+        Phrasings(
+            ("Do you remember my name?", "What is my name?", "What did I say my name was?"),
+            ("Remind me, what am I called?", "Who am I, by name?"),
+        ),
+        Phrasings(("What is this user's name?", "What is the user called?"), ("By what name does this person go?",)),
+        Phrasings(("Your name is {v}.", "You're {v}.", "You told me your name is {v}."), ("You are called {v}.",)),
+        Phrasings(("Nice to meet you, {v}!", "Hello {v}, good to meet you."), ("Welcome, {v}!",)),
+    ),
+    "job": Fact(
+        "job",
+        Phrasings(
+            ("I work as {a}.", "I'm {a} by profession.", "My job? I'm {a}.", "These days I earn my living as {a}."),
+            ("For work, I'm {a}.", "I've been {a} for years now."),
+        ),
+        Phrasings(
+            ("What do I do for a living?", "What is my job?", "What did I say I work as?"),
+            ("Remind me, what's my profession?", "What do I do for work?"),
+        ),
+        Phrasings(("What does this user work as?", "What is this user's job?"), ("What is this person's profession?",)),
+        Phrasings(("You work as {a}.", "You're {a}.", "Your job is {v}."), ("You said you are {a}.",)),
+        Phrasings(("Being {a} sounds interesting.", "{a} - that must keep you busy!"), ("Oh, {a}! How is that?",)),
+    ),
+    "home": Fact(
+        "state",
+        Phrasings(
+            ("I live in {v}.", "Home for me is {v}.", "I'm based in {v}."), ("I moved to {v} and still live there.",)
+        ),
+        Phrasings(("Where do I live again?", "Which state do I live in?"), ("Remind me where my home is?",)),
+        Phrasings(
+            ("In which state does this user live?", "Where does this user live?"), ("Where is this person's home?",)
+        ),
+        Phrasings(("You live in {v}.", "Your home is in {v}."), ("You told me you live in {v}.",)),
+        Phrasings(("{v} is a lovely place to live.", "Oh, {v}! I hear it's nice there."), ("How do you like {v}?",)),
+    ),
+    "friend": Fact(
+        "first_name",
+        Phrasings(
+            ("My best friend is called {v}.", "My closest friend is {v}.", "I spent the day with my friend {v}."),
+            ("{v} has been my best friend since school.",),
+        ),
+        Phrasings(
+            ("What is my best friend called?", "Who is my best friend?", "What was my friend's name?"),
+            ("Which friend did I tell you about?",),
+        ),
+        Phrasings(
+            ("What is the name of this user's friend?", "Who is this user's friend?"),
+            ("Who is this person's best friend?",),
+        ),
+        Phrasings(("Your best friend is called {v}.", "Your friend is {v}."), ("You mentioned your friend {v}.",)),
+        Phrasings(("{v} sounds like a great friend.", "It's good to have a friend like {v}."), ("Say hi to {v}!",)),
+    ),
+    "hobby": Fact(
+        "hobby",
+        Phrasings(
+            ("In my free time I love {v}.", "My favourite hobby is {v}.", "I spend most weekends on {v}."),
+            ("Nothing relaxes me like {v}.",),
+        ),
+        Phrasings(("What is my hobby?", "What do I do in my free time?"), ("What did I say I do for fun?",)),
+        Phrasings(
+            ("What is this user's hobby?", "What does this user do for fun?"),
+            ("How does this person spend free time?",),
+        ),
+        Phrasings(("Your hobby is {v}.", "You love {v}."), ("You do {v} for fun.",)),
+        Phrasings(("{v} sounds like fun!", "I can see why you enjoy {v}."), ("{v} is a great way to relax.",)),
+    ),
+    "pet": Fact(
+        "pet",
+        Phrasings(
+            ("I have {a} at home.", "My pet is {a}.", "I just adopted {a}."), ("There's {a} waiting for me at home.",)
+        ),
+        Phrasings(("What pet do I have?", "What kind of pet did I mention?"), ("Which animal lives with me?",)),
+        Phrasings(
+            ("What pet does this user have?", "Which animal does this user keep?"), ("What is this person's pet?",)
+        ),
+        Phrasings(("You have {a}.", "Your pet is {a}."), ("You said you keep {a}.",)),
+        Phrasings(("{a}! How lovely.", "Pets like {a} are great company."), ("I'd love to meet your {v}.",)),
+    ),
+    "language": Fact(
+        "language",
+        Phrasings(
+            ("I am learning {v} at the moment.", "I practise my {v} every evening."), ("I've started {v} lessons.",)
+        ),
+        Phrasings(("Which language am I learning?", "What language am I studying?"), ("Which lessons did I start?",)),
+        Phrasings(
+            ("Which language is this user learning?", "What language does this user study?"),
+            ("What language is this person practising?",),
+        ),
+        Phrasings(("You are learning {v}.", "You're studying {v}."), ("You started {v} lessons.",)),
+        Phrasings(("Good luck with your {v}!", "{v} is a rewarding language."), ("Enjoy your {v} lessons!",)),
+    ),
+    "color": Fact(
+        "color",
+        Phrasings(
+            ("My favourite colour is {v}.", "I painted my room {v} this weekend."), ("I wear {v} whenever I can.",)
+        ),
+        Phrasings(("What is my favourite colour?", "Which colour do I like best?"), ("What colour did I say I love?",)),
+        Phrasings(
+            ("Which colour does this user like?", "What is this user's favourite colour?"),
+            ("What colour does this person prefer?",),
+        ),
+        Phrasings(("Your favourite colour is {v}.", "You like {v}."), ("You love the colour {v}.",)),
+        Phrasings(("{v} is a beautiful colour.", "Nice choice, {v}!"), ("{v} suits a room well.",)),
+    ),
+    "country": Fact(
+        "country",
+        Phrasings(("I grew up in {v}.", "I was born in {v}."), ("My family comes from {v}.",)),
+        Phrasings(("Where did I grow up?", "Which country am I from?"), ("Where is my family from?",)),
+        Phrasings(
+            ("Which country is this user from?", "Where did this user grow up?"),
+            ("What is this person's home country?",),
+        ),
+        Phrasings(("You grew up in {v}.", "You are from {v}."), ("Your family comes from {v}.",)),
+        Phrasings(
+            ("{v} must have been a nice place to grow up.", "I'd love to hear more about {v}."),
+            ("What do you miss about {v}?",),
+        ),
+    ),
+}
+
+# Small talk: (the user, the assistant's reply); `{v}` is a topic word.
+SMALL_TALK = Phrasings(
+    (
+        ("What do you think about {v}?", "Many people find {v} important."),
+        ("I read an article about {v} today.", "That sounds like an interesting read about {v}."),
+        ("Can you tell me something about {v}?", "There is a lot to say about {v}."),
+        ("The weather is awful today.", "Sorry to hear that; a warm drink might help."),
+        ("Any tips for sleeping better?", "A regular bedtime and less screen time usually help."),
+        ("I'm thinking of learning to cook.", "Great idea! Start with simple recipes."),
+    ),
+    (
+        ("Honestly, I can't stop thinking about {v}.", "{v} does seem to be on everyone's mind."),
+        ("Got any weekend ideas?", "A walk somewhere new is always a good start."),
+    ),
+)
+# Said around a fact in a natural message: before it, and after it.
+OPENERS = Phrasings(
+    ("Hey!", "Good morning.", "Long day today.", "So, a bit about me:", "Thanks for the help earlier."),
+    ("Ugh, what a week.", "Quick thing before I forget:"),
+)
+CLOSERS = Phrasings(
+    ("Anyway, how are you?", "What about you?", "Just thought I'd share.", "Anyway, any plans for the weekend?"),
+    ("Sorry, I'm rambling.", "Anyway, back to my question."),
+)
+
+
+def fill(sentence: str, value: str) -> str:
+    """`sentence` with the value in place, its first letter capitalized."""
+    text = sentence.format(v=value, a=with_article(value))
+    return text[0].upper() + text[1:]
+
+
+def draw_facts(rng: random.Random, split: Split, kinds: list[str], count: int) -> dict[str, str]:
+    """`count` facts of the given kinds with values from `split`; a friend never shares the user's name."""
+    chosen = rng.sample(kinds, min(len(kinds), count))
+    values: dict[str, str] = {}
+    for kind in chosen:
+        pool = [w for w in words(FACTS[kind].pool, split) if w not in values.values()]
+        values[kind] = rng.choice(pool)
+    return values

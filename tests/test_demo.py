@@ -1,0 +1,46 @@
+"""`ccm demo`'s promise on the real model: it recalls names and jobs, never seen in training, that a user
+mentioned among small talk."""
+
+import random
+
+import pytest
+
+from transformers_ccm import CCMForCausalLM
+from transformers_ccm.chat import ChatSession
+from transformers_ccm.cli import DEMO_FACTS, demo_script
+from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.tasks.vocabulary import in_test_split, words
+
+ASKED = ("name", "job", "friend")  # what the last three messages of the script ask, in order
+
+
+def test_the_demo_uses_held_out_facts_and_asks_last():
+    assert all(in_test_split(value) for value in DEMO_FACTS.values())
+    script = demo_script(**DEMO_FACTS)
+    told = "".join(script[:-3])
+    assert all(value in told for value in DEMO_FACTS.values())
+    assert not any(value in message for value in DEMO_FACTS.values() for message in script[-3:])
+
+
+def held_out_people(count: int) -> list[dict[str, str]]:
+    """The demo's user, then others made of test-split names and jobs."""
+    rng = random.Random(0)
+    people = [DEMO_FACTS]
+    while len(people) < count:
+        name, friend = rng.sample(words("first_name", "test"), 2)
+        people.append({"name": name, "job": rng.choice(words("job", "test")), "friend": friend})
+    return people
+
+
+@pytest.mark.slow
+def test_concat_adapter_recalls_held_out_names_jobs_and_friends():
+    model = CCMForCausalLM.from_pretrained("ccm:smollm2-concat").eval()
+    tokenizer = load_tokenizer("default")
+    missed = []
+    for person in held_out_people(4):
+        session = ChatSession(model, tokenizer, max_new_tokens=24)
+        replies = [session.turn(message).reply for message in demo_script(**person)]
+        for fact, reply in zip(ASKED, replies[-3:], strict=True):
+            if person[fact].lower() not in reply.lower():
+                missed.append((fact, person[fact], reply))
+    assert not missed, f"{len(missed)} of {3 * 4} facts not recalled: {missed}"

@@ -1,0 +1,170 @@
+"""Evaluation statistics (intervals, gain recovered, seen and unseen wordings) on real scoring of tiny models."""
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tiny_models import randomize_adapter
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.evaluation import (
+    FINETUNED,
+    gain_recovered,
+    gain_recovered_interval,
+    markdown,
+    plot,
+    score_samples,
+    summarize,
+    value_interval,
+    wilson_interval,
+)
+from transformers_ccm.tasks import METRIC, make_samples
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+def _model(tokenizer, seed: int, **config) -> CCMForCausalLM:
+    torch.manual_seed(0)  # the same base for every adapter
+    base = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = CCMForCausalLM.from_base(AutoModelForCausalLM.from_config(base).eval(), CCMConfig(**config))
+    return randomize_adapter(model, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def ccm(tokenizer):
+    return _model(tokenizer, seed=1, num_comp_tokens=1)
+
+
+def test_wilson_interval_known_values_and_bounds():
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    with pytest.raises(ValueError, match="at least one sample"):
+        wilson_interval(0, 0)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5, 0.83])
+def test_wilson_interval_contains_the_share_and_shrinks_with_n(share):
+    widths = []
+    for total in (20, 200, 2000):
+        low, high = wilson_interval(round(share * total), total)
+        assert low <= round(share * total) / total <= high
+        widths.append(high - low)
+    assert widths[0] > 2 * widths[1] > 4 * widths[2]  # about 1 / sqrt(n)
+
+
+def _perplexity_scores(count: int, seed: int) -> list[tuple[float, int]]:
+    rng = random.Random(seed)
+    scores = []
+    for _ in range(count):
+        tokens = rng.randint(3, 12)
+        scores.append((sum(rng.expovariate(0.5) for _ in range(tokens)), tokens))
+    return scores
+
+
+def test_perplexity_bootstrap_contains_the_value_and_shrinks_with_n():
+    widths = []
+    for count in (25, 400):
+        scores = _perplexity_scores(count, seed=count)
+        value = math.exp(sum(n for n, _ in scores) / sum(t for _, t in scores))
+        low, high = value_interval(scores, "perplexity")
+        assert low < value < high
+        widths.append(high - low)
+        assert value_interval(scores, "perplexity") == (low, high)  # deterministic
+    assert widths[0] > 2.5 * widths[1]
+
+
+def test_gain_recovered_interval_is_paired():
+    """CCM halfway between no and full context on every sample: the interval is tight around 50%."""
+    rng = random.Random(0)
+    no = [(rng.uniform(2, 4) * 5, 5) for _ in range(60)]
+    full = [(n - 5 * rng.uniform(0.5, 1.5), t) for n, t in no]
+    half = [((a + b) / 2, t) for (a, t), (b, _) in zip(no, full, strict=True)]
+    low, high = gain_recovered_interval(no, full, half, "perplexity")
+    assert low == pytest.approx(0.5) and high == pytest.approx(0.5)
+    noisy = [(n + rng.uniform(-3, 3), t) for n, t in half]
+    value = gain_recovered(
+        *(math.exp(sum(n for n, _ in s) / sum(t for _, t in s)) for s in (no, full, noisy)), "perplexity"
+    )
+    low, high = gain_recovered_interval(no, full, noisy, "perplexity")
+    assert low < value < high and high - low < 0.5
+    with pytest.raises(ValueError, match="same samples"):
+        gain_recovered_interval(no, full, noisy[:-1], "perplexity")
+
+
+def test_no_gain_to_recover_gives_no_interval():
+    same = [(1.0, 1)] * 10 + [(0.0, 1)] * 10
+    assert all(math.isnan(bound) for bound in gain_recovered_interval(same, same, same, "accuracy"))
+
+
+@pytest.mark.parametrize("task", ["icl", "dialogue"])
+def test_scores_carry_intervals_and_per_sample_values(ccm, tokenizer, task):
+    samples = make_samples(task, "test", 12, seed=0, steps=2)
+    metric = METRIC[task]
+    for method in ("no_context", "full_context", "ccm"):
+        score = score_samples(ccm, tokenizer, samples, method, metric, batch_size=5)
+        assert score.samples == len(score.per_sample) == 12
+        assert score.low <= score.value <= score.high
+        total = sum(n for n, _ in score.per_sample) / sum(t for _, t in score.per_sample)
+        assert score.value == pytest.approx(total if metric == "accuracy" else math.exp(total))
+        assert score.to_dict()["per_sample"] == score.per_sample
+
+
+def test_full_context_reads_plain_text_with_the_adapter_only_when_unconditional(tokenizer):
+    samples = make_samples("dialogue", "test", 6, seed=1, steps=2)
+
+    def full_context(model):
+        return score_samples(model, tokenizer, samples, "full_context", "perplexity").per_sample
+
+    # a compression adapter never acts on plain tokens: its full-context score is the base model's
+    assert full_context(_model(tokenizer, seed=1)) == full_context(_model(tokenizer, seed=2))
+    tuned, other = _model(tokenizer, seed=1, conditional_lora=False), _model(tokenizer, seed=2, conditional_lora=False)
+    assert full_context(tuned) != full_context(other) != full_context(_model(tokenizer, seed=1))
+
+
+def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, tokenizer, tmp_path):
+    tuned = _model(tokenizer, seed=3, conditional_lora=False)
+    results = []
+    for wordings in ("seen", "unseen"):
+        for steps in (1, 2):
+            samples = make_samples("personalization", "test", 10, seed=0, steps=steps, wordings=wordings)
+            for name, model, method in (
+                ("no_context", ccm, "no_context"),
+                ("full_context", ccm, "full_context"),
+                (FINETUNED, tuned, "full_context"),
+                ("ccm-concat", ccm, "ccm"),
+            ):
+                score = score_samples(model, tokenizer, samples, method, "accuracy")
+                results.append({"task": "personalization", "wordings": wordings, **score.to_dict(), "method": name})
+    summary = summarize(results)
+    assert [(row["wordings"], row["steps"], row["method"]) for row in summary] == [
+        ("seen", 2, "ccm-concat"),
+        ("unseen", 2, "ccm-concat"),
+    ]
+    for row in summary:
+        assert row["ccm_interval"][0] <= row["ccm"] <= row["ccm_interval"][1]
+        assert row[FINETUNED] is not None and set(row["gain_recovered_finetuned"]) == {"value", "interval"}
+        assert set(row["gain_recovered"]) == {"value", "interval"} and len(row["gain_recovered"]["interval"]) == 2
+    table = markdown(results, summary)
+    assert "| personalization (t=2) | seen | ccm-concat |" in table
+    assert "| personalization (t=2) | unseen | ccm-concat |" in table
+    assert "| personalization | unseen | 1 | full_context_finetuned | accuracy |" in table
+    plot(results, str(tmp_path / "eval.png"))
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+    without_tuned = summarize([r for r in results if r["method"] != FINETUNED])
+    assert all(row[FINETUNED] is None and row["gain_recovered_finetuned"] is None for row in without_tuned)
+    assert "| - | " in markdown(results, without_tuned)
