@@ -72,7 +72,11 @@ def test_scoring_the_plain_prompt_online_scores_the_baseline(randomized):
     tokenizer = SimpleNamespace(pad_token_id=0)
     scored = score_samples(model, tokenizer, [as_plain_prompt(s) for s in SAMPLES], "ccm", "perplexity")
     assert scored.context_kv_tokens == 0
-    base = score_samples(model, tokenizer, SAMPLES, "full_context", "perplexity")  # the base model, adapter off
+    # "full_context" lets an adapter with conditional_lora=False act: it scores the baseline itself.
+    itself = score_samples(model, tokenizer, SAMPLES, "full_context", "perplexity")
+    assert abs(scored.value - itself.value) < 1e-4, (scored.value, itself.value)
+    with model.adapter_disabled():
+        base = score_samples(model, tokenizer, SAMPLES, "full_context", "perplexity")
     # A zero LoRA-B is the base model itself; a trained (here random) LoRA changes the score.
     assert (abs(scored.value - base.value) < 1e-4) != randomized, (scored.value, base.value)
 
