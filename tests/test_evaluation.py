@@ -14,6 +14,7 @@ from transformers_ccm.evaluation import (
     FINETUNED,
     gain_recovered,
     gain_recovered_interval,
+    gain_text,
     markdown,
     plot,
     score_samples,
@@ -107,8 +108,12 @@ def test_gain_recovered_interval_is_paired():
 
 
 def test_no_gain_to_recover_gives_no_interval():
-    same = [(1.0, 1)] * 10 + [(0.0, 1)] * 10
-    assert all(math.isnan(bound) for bound in gain_recovered_interval(same, same, same, "accuracy"))
+    no = [(1.0, 1)] * 10 + [(0.0, 1)] * 10
+    full = no[::-1]  # other samples right, the same accuracy
+    assert math.isnan(gain_recovered(0.5, 0.5, 0.6, "accuracy"))
+    assert all(math.isnan(bound) for bound in gain_recovered_interval(no, full, no, "accuracy"))
+    assert gain_text({"value": float("nan"), "interval": [0.2, 0.4]}) == "n/a (no gain to recover)"
+    assert gain_text({"value": 0.25, "interval": [0.1, 0.4]}) == "25% [10%, 40%]" and gain_text(None) == "-"
 
 
 @pytest.mark.parametrize("task", ["icl", "dialogue"])

@@ -114,7 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from transformers_ccm.baseline import is_full_context_baseline
-    from transformers_ccm.evaluation import FINETUNED, markdown, plot, score_samples, summarize
+    from transformers_ccm.evaluation import FINETUNED, gain_text, markdown, plot, score_samples, summarize
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
@@ -161,13 +161,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     (output / "eval.md").write_text(markdown(results, summary))
     print(f"\nat the largest time step ({args.samples} samples each; 95% intervals):")
     for row in summary:
-        gain, tuned = row["gain_recovered"], row["gain_recovered_finetuned"]
-        versus_tuned = "" if tuned is None else f", {tuned['value']:.0%} of the fine-tuned full-context gain"
+        tuned = row["gain_recovered_finetuned"]
+        versus_tuned = "" if tuned is None else f", {gain_text(tuned)} of the fine-tuned full-context gain"
         print(
             f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  "
             f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
-            f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain['value']:.0%} [{gain['interval'][0]:.0%}, "
-            f"{gain['interval'][1]:.0%}]{versus_tuned}  memory {row['context_memory_ratio']:.3f} of full context"
+            f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain_text(row['gain_recovered'])}{versus_tuned}  "
+            f"memory {row['context_memory_ratio']:.3f} of full context"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
 

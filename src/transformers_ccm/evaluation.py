@@ -223,12 +223,14 @@ def gain_recovered_interval(
     metric: str,
 ) -> tuple[float, float]:
     """95% paired-bootstrap interval of `gain_recovered` from the three methods' `per_sample` scores on the
-    same samples (NaN, NaN when most resamples show no gain to recover)."""
+    same samples (NaN, NaN when the samples, or most resamples, show no gain to recover)."""
     if not len(no_context) == len(full_context) == len(ccm):
         raise ValueError(
             f"Gain recovered compares methods on the same samples; got {len(no_context)}, {len(full_context)} "
             f"and {len(ccm)} samples."
         )
+    if _log_score(full_context, metric) == _log_score(no_context, metric):
+        return float("nan"), float("nan")
     index = _resamples(len(ccm), seed=1)
     no, full, compressed = (_log_score(scores, metric, index) for scores in (no_context, full_context, ccm))
     gains = (compressed - no) / (full - no)
@@ -312,8 +314,11 @@ def plot(results: Sequence[Row], path: str) -> None:
             top.fill_between(steps, low, high, color=colors[method], alpha=0.12)
             if wordings != "unseen":  # the memory a method holds does not depend on the wording
                 axes[1][column].plot(steps, [float(r["context_kv_tokens"]) for _, r in points], label=method, **style)
+        metric = str(task_results[0]["metric"])
         axes[0][column].set_title(task)
-        axes[0][column].set_ylabel(f"{task_results[0]['metric']} (95% interval shaded)")
+        axes[0][column].set_ylabel(f"{metric} (95% interval shaded)")
+        if metric == "perplexity":  # no context sits an order of magnitude above the rest
+            axes[0][column].set_yscale("log")
         axes[1][column].set_ylabel("context KV length (tokens or slots)")
         axes[1][column].set_xlabel("time step t")
         for row in axes:
@@ -329,9 +334,12 @@ def _with_interval(value: float, interval: Sequence[float]) -> str:
     return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
-def _gain_text(gain: Row | None) -> str:
+def gain_text(gain: Row | None) -> str:
+    """A summary row's gain recovered as "62% [48%, 75%]" ("-" when not measured, "n/a" when there is no gain)."""
     if gain is None:
         return "-"
+    if math.isnan(gain["value"]):
+        return "n/a (no gain to recover)"
     low, high = gain["interval"]
     return f"{gain['value']:.0%} [{low:.0%}, {high:.0%}]"
 
@@ -349,7 +357,7 @@ def markdown(results: Sequence[Row], summary: Sequence[Row]) -> str:
             f"| {row['task']} (t={row['steps']}) | {row['wordings']} | {row['method']} | {row['metric']} | "
             f"{row['no_context']:.3f} | {row['full_context']:.3f} | {'-' if tuned is None else f'{tuned:.3f}'} | "
             f"{_with_interval(row['ccm'], row['ccm_interval'])} | "
-            f"{_gain_text(row['gain_recovered'])} | {_gain_text(row['gain_recovered_finetuned'])} | "
+            f"{gain_text(row['gain_recovered'])} | {gain_text(row['gain_recovered_finetuned'])} | "
             f"{row['context_memory_ratio']:.3f} |"
         )
     lines += [
