@@ -1,5 +1,6 @@
 """Evaluation statistics (intervals, gain recovered, seen and unseen wordings) on real scoring of tiny models."""
 
+import json
 import math
 import random
 
@@ -17,6 +18,7 @@ from transformers_ccm.evaluation import (
     gain_text,
     markdown,
     plot,
+    report_json,
     score_samples,
     summarize,
     value_interval,
@@ -164,6 +166,7 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
         assert row["ccm_interval"][0] <= row["ccm"] <= row["ccm_interval"][1]
         assert row[FINETUNED] is not None and set(row["gain_recovered_finetuned"]) == {"value", "interval"}
         assert set(row["gain_recovered"]) == {"value", "interval"} and len(row["gain_recovered"]["interval"]) == 2
+    assert json.loads(report_json(results, summary)) == json.loads(json.dumps({"results": results, "summary": summary}))
     table = markdown(results, summary)
     assert "| personalization (t=2) | seen | ccm-concat |" in table
     assert "| personalization (t=2) | unseen | ccm-concat |" in table

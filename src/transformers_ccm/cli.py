@@ -110,11 +110,18 @@ def _load_ccm(adapter: str, model_name: str) -> tuple[CCMForCausalLM, PreTrained
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    import json
     from pathlib import Path
 
     from transformers_ccm.baseline import is_full_context_baseline
-    from transformers_ccm.evaluation import FINETUNED, gain_text, markdown, plot, score_samples, summarize
+    from transformers_ccm.evaluation import (
+        FINETUNED,
+        gain_text,
+        markdown,
+        plot,
+        report_json,
+        score_samples,
+        summarize,
+    )
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
@@ -156,7 +163,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
-    (output / "eval.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1) + "\n")
+    (output / "eval.json").write_text(report_json(results, summary))
     plot(results, str(output / "eval.png"))
     (output / "eval.md").write_text(markdown(results, summary))
     print(f"\nat the largest time step ({args.samples} samples each; 95% intervals):")

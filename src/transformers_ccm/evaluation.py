@@ -10,6 +10,7 @@ their samples, so one resample of samples re-scores all of them).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -288,6 +289,13 @@ def summarize(results: Sequence[Row]) -> list[Row]:
                 }
             )
     return rows
+
+
+def report_json(results: Sequence[Row], summary: Sequence[Row]) -> str:
+    """eval.json: `{"results": [...], "summary": [...]}`, one result per line (each carries its per-sample
+    scores), the summary indented."""
+    rows = ",\n".join(json.dumps(row) for row in results)
+    return f'{{"results": [\n{rows}\n],\n"summary": {json.dumps(summary, indent=2)}}}\n'
 
 
 def plot(results: Sequence[Row], path: str) -> None:
