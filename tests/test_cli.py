@@ -80,6 +80,26 @@ def test_train_resumes(tiny_model, adapter, capsys):
     assert (Path(adapter) / "checkpoint-4").is_dir()
 
 
+def test_train_continues_an_adapter_with_its_structure(tiny_model, adapter, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    merge = tmp_path / "merge"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig(num_comp_tokens=3, update="merge")).save_pretrained(merge)
+    train(tiny_model, tmp_path / "continued", 1, "--init-adapter", str(merge), "--learning-rate", "0")
+    assert "its structure is kept (--update merge, --num-comp-tokens 3" in capsys.readouterr().out
+    config = json.loads((tmp_path / "continued" / "ccm_config.json").read_text())
+    assert (config["update"], config["num_comp_tokens"]) == ("merge", 3) and "mixture" in config["trained_on"]
+    before, after = (
+        load_file(merge / "adapter_model.safetensors"),
+        load_file(tmp_path / "continued" / "adapter_model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    with pytest.raises(SystemExit, match="pass --method ccm"):
+        train(tiny_model, tmp_path / "refused", 1, "--init-adapter", adapter, "--method", "full-context")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_train_on_a_jsonl_file(tiny_model, tmp_path):
     from transformers_ccm.tasks import make_samples, save_jsonl
 
@@ -251,7 +271,7 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))
-    arguments = ["eval", "--model", tiny_model, "--tasks", "icl", "--steps", "1", "--samples", "2"]
+    arguments = ["eval", "--model", tiny_model, "--device", "cpu", "--tasks", "icl", "--steps", "1", "--samples", "2"]
     main([*arguments, "--adapters", adapter, str(second), "--output-dir", str(tmp_path / "out")])
     methods = {row["method"] for row in json.loads((tmp_path / "out" / "eval.json").read_text())["results"]}
     assert methods == {"no_context", "full_context", f"ccm-concat:{adapter}", f"ccm-concat:{second}"}
@@ -267,3 +287,10 @@ def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", tiny_model, "--adapters", str(tmp_path / "full"), "--tasks", "icl", "--samples", "2"])
     assert exit_info.value.code == 2 and "hold a fine-tuned full-context baseline" in capsys.readouterr().err
+
+
+def test_device_auto_picks_a_gpu_only_when_there_is_one():
+    from transformers_ccm.cli import _device
+
+    assert _device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert _device("cuda:1") == "cuda:1" and _device("cpu") == "cpu"

@@ -103,3 +103,30 @@ def test_dense_loss_is_the_mean_nll_of_each_context_given_the_memory_before_it(u
         logits = reference_logits(model, sample.contexts, io)[len(sample.input) - 1 : -1]
         terms.append(torch.nn.functional.cross_entropy(logits, torch.tensor(sample.output), reduction="none"))
     assert torch.allclose(loss, torch.cat(terms).mean(), atol=1e-4)
+
+
+@given(
+    lengths=st.lists(st.tuples(st.lists(st.integers(1, 6), max_size=4), st.integers(1, 4)), min_size=1, max_size=3),
+    multiple=st.integers(1, 40),
+)
+def test_pad_to_multiple_of_only_appends_padding(lengths, multiple):
+    samples = [OnlineSample([[7] * k for k in ctx], [8] * i, [9]) for ctx, i in lengths]
+    plain = CCMDataCollator(CONFIG)(samples)
+    padded = CCMDataCollator(CONFIG, pad_to_multiple_of=multiple)(samples)
+    length = plain["input_ids"].shape[1]
+    assert padded["input_ids"].shape[1] % multiple == 0 and 0 <= padded["input_ids"].shape[1] - length < multiple
+    for key, tensor in plain.items():
+        assert torch.equal(padded[key][:, :length], tensor)
+    assert (padded["labels"][:, length:] == IGNORE_INDEX).all() and not padded["comp_mask"][:, length:].any()
+    assert (padded["segment_ids"][:, length:] == 0).all()
+
+
+def test_padding_to_a_multiple_leaves_the_loss_as_it_was():
+    model = tiny_ccm("llama")
+    samples = [OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13]), OnlineSample([[14]], [15], [16])]
+    with torch.no_grad():
+        plain = model(**CCMDataCollator(model)(samples)).loss
+        padded = model(**CCMDataCollator(model, pad_to_multiple_of=16)(samples)).loss
+    assert torch.allclose(plain, padded, atol=1e-5)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
+        CCMDataCollator(model, pad_to_multiple_of=0)

@@ -103,6 +103,15 @@ def test_long_inputs_are_split_and_compressed_by_themselves():
     torch.testing.assert_close(whole, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("keep", [1, 5, 57])
+def test_logits_to_keep_counts_from_the_end_of_a_split_input(keep):
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    ids = torch.randint(3, VOCAB, (1, 57))
+    whole = model(input_ids=ids, past_key_values=model.new_cache(1, streaming=SMALL)).logits
+    kept = model(input_ids=ids, past_key_values=model.new_cache(1, streaming=SMALL), logits_to_keep=keep).logits
+    torch.testing.assert_close(kept, whole[:, -keep:], atol=1e-5, rtol=0)
+
+
 def test_streaming_forward_loss_is_the_mean_next_token_loss():
     model = tiny_ccm("llama")
     ids = torch.randint(3, VOCAB, (1, 30))

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from transformers_ccm.config import CCMConfig
@@ -68,7 +69,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
     if args.method == "full-context":
         config = full_context_config(config)
+    if args.init_adapter:
+        config = _initial_adapter_config(args.init_adapter, config)
     model = CCMForCausalLM.from_base(args.model, config)
+    if args.init_adapter:
+        model.load_adapter(args.init_adapter)
+        model.config = replace(model.config, trained_on=config.trained_on)
     tokenizer = load_tokenizer(args.model)
     recipe = TrainingRecipe(
         steps=args.steps,
@@ -98,14 +104,47 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"adapter saved to {args.output_dir}")
 
 
-def _load_ccm(adapter: str, model_name: str) -> tuple[CCMForCausalLM, PreTrainedTokenizerBase]:
+def _initial_adapter_config(adapter: str, requested: CCMConfig) -> CCMConfig:
+    """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text."""
+    from transformers_ccm.hub import read_adapter, resolve_adapter
+
+    config, _ = read_adapter(resolve_adapter(adapter))
+    if config.conditional_lora != requested.conditional_lora:
+        wanted, kind = ("ccm", "the full-context baseline") if config.conditional_lora else ("full-context", "CCM")
+        raise SystemExit(
+            f"--init-adapter {adapter} is a {'CCM' if config.conditional_lora else 'full-context'} adapter, "
+            f"but --method asks for {kind}; pass --method {wanted}."
+        )
+    kept = ", ".join(
+        f"{flag} {getattr(config, name)}"
+        for flag, name in (("--update", "update"), ("--num-comp-tokens", "num_comp_tokens"), ("--lora-r", "r"))
+    )
+    print(f"continuing {adapter}: its structure is kept ({kept})")
+    return replace(config, trained_on=requested.trained_on, base_model_shape=None)
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: 'auto' (the first CUDA GPU if there is one, else the CPU), 'cpu', 'cuda:1', ...",
+    )
+
+
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def _load_ccm(adapter: str, model_name: str, device: str = "auto") -> tuple[CCMForCausalLM, PreTrainedTokenizerBase]:
     from transformers_ccm.embedded import load_tokenizer, resolve_name
     from transformers_ccm.hub import read_adapter, resolve_adapter
     from transformers_ccm.modeling import CCMForCausalLM
 
     config, _ = read_adapter(resolve_adapter(adapter))
     base = None if model_name == DEFAULT_MODEL and config.base_model_name_or_path else model_name
-    model = CCMForCausalLM.from_pretrained(adapter, base_model=base).eval()
+    model = CCMForCausalLM.from_pretrained(adapter, base_model=base).eval().to(_device(device))
     return model, load_tokenizer(resolve_name(base or config.base_model_name_or_path))
 
 
@@ -126,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
-    loaded = [(adapter, *_load_ccm(adapter, args.model)) for adapter in args.adapters]
+    loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     baselines = [adapter for adapter, model, _ in loaded if is_full_context_baseline(model.config)]
     if baselines:
         raise ValueError(
@@ -181,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 def _load_full_context(adapter: str, model_name: str, reference: CCMForCausalLM) -> CCMForCausalLM:
     """A full-context fine-tuned adapter (`conditional_lora=False`) for the same base as the CCM adapters."""
-    model, _ = _load_ccm(adapter, model_name)
+    model, _ = _load_ccm(adapter, model_name, str(reference.device))
     if model.config.conditional_lora:
         raise ValueError(
             f"--full-context-adapter {adapter} is a compression adapter (conditional_lora=True); give one trained "
@@ -209,7 +248,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
 
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
-    model, tokenizer = _load_ccm(args.adapter, args.model)
+    model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
     text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens])
     ccm = StreamingConfig(
@@ -258,7 +297,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     if args.memory_file:
         _check_writable(args.memory_file)
-    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model)
+    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model, args.device)
     cache = None
     if args.memory_file and os.path.exists(args.memory_file):
         cache = CompressedMemoryCache.load(args.memory_file, model)
@@ -330,7 +369,7 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     from transformers_ccm.chat import ChatSession
 
-    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model)
+    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model, args.device)
     print(
         f"CCM-{model.config.update} on {model.config.base_model_name_or_path}: every turn is folded into "
         f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
@@ -350,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--task",
         default="mixture",
-        help="icl | personalization | dialogue | mixture | text (long text, for streaming), or a JSONL file",
+        help="icl | personalization | dialogue | document | mixture (all four) | text (long text, for streaming), "
+        "or a JSONL file",
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
     train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
@@ -367,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.add_argument(
+        "--init-adapter",
+        default=None,
+        help="start from this adapter (a folder, Hub id or ccm:name) instead of a fresh one; its update rule, "
+        "<COMP> count and LoRA shape are kept (--update, --num-comp-tokens and --lora-r are ignored)",
+    )
     train.add_argument(
         "--method",
         choices=["ccm", "full-context"],
@@ -393,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")
     _add_model(evaluate)
+    _add_device(evaluate)
     evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
     evaluate.add_argument(
         "--tasks", nargs="+", default=["icl", "personalization", "dialogue"], help="also: document (general text)"
@@ -414,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stream = commands.add_parser("stream-eval", help="perplexity of a long stream: CCM vs StreamingLLM, same KV")
     _add_model(stream)
+    _add_device(stream)
     stream.add_argument("--adapter", default="ccm:smollm2-stream")
     stream.add_argument("--text-file", default=None, help="a UTF-8 text file to stream (default: the held-out text)")
     stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole text)")
@@ -432,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=text)
         _add_model(sub)
+        _add_device(sub)
         sub.add_argument("--update", choices=["concat", "merge"], default="concat", help="which shipped adapter")
         sub.add_argument("--adapter", default=None, help="an adapter folder, Hub id or ccm:<name> instead")
         sub.add_argument("--max-new-tokens", type=int, default=64)

@@ -76,6 +76,8 @@ class CCMDataCollator:
         layout: `"ccm"` (above), or `"full_context"`: each sample as one plain prompt `[c(1) ... c(t) I(t) O(t)]`
             (one segment, no `<COMP>`, ordinary positions) with the same labels as `"ccm"`, for the fine-tuned
             full-context baseline (`transformers_ccm.baseline`).
+        pad_to_multiple_of: right-pad every batch to a multiple of this many positions, so a compiled attention
+            kernel sees a few sequence lengths instead of one per batch. None: pad to the longest sample.
     """
 
     def __init__(
@@ -85,7 +87,10 @@ class CCMDataCollator:
         pad_token_id: int = 0,
         supervision: Supervision = "output",
         layout: Layout = "ccm",
+        pad_to_multiple_of: int | None = None,
     ) -> None:
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive integer or None, got {pad_to_multiple_of}.")
         if supervision not in SUPERVISION:
             raise ValueError(f"supervision must be one of {SUPERVISION}, got {supervision!r}.")
         if layout not in LAYOUTS:
@@ -95,12 +100,15 @@ class CCMDataCollator:
         self.pad_token_id = pad_token_id
         self.supervision = supervision
         self.layout = layout
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, samples: Sequence[OnlineSample]) -> dict[str, torch.Tensor]:
         if not samples:
             raise ValueError("CCMDataCollator got an empty list of samples.")
         rows = [self._row(index, sample) for index, sample in enumerate(samples)]
         length = max(len(row["input_ids"]) for row in rows)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {
             key: torch.tensor([row[key] + [fill] * (length - len(row[key])) for row in rows], dtype=dtype)
             for key, fill, dtype in (

@@ -110,10 +110,14 @@ def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch
 def _target_log_probs(
     logits: torch.Tensor, ids: torch.Tensor, starts: list[int], ends: list[int]
 ) -> list[torch.Tensor]:
-    """Per row, the log-probabilities of tokens `ids[start:end]`, each predicted from the position before."""
+    """Per row, the log-probabilities of tokens `ids[start:end]`, each predicted from the position before.
+
+    `logits` `(batch, kept, vocab)` are those of the last `kept` positions of `ids` `(batch, seq)`."""
+    offset = ids.shape[1] - logits.shape[1]
     log_probs = logits.float().log_softmax(-1)
+    targets = ids.to(log_probs.device)
     return [
-        log_probs[row, start - 1 : end - 1].gather(-1, ids[row, start:end, None].to(log_probs.device))[:, 0]
+        log_probs[row, start - 1 - offset : end - 1 - offset].gather(-1, targets[row, start:end, None])[:, 0]
         for row, (start, end) in enumerate(zip(starts, ends, strict=True))
     ]
 
@@ -167,15 +171,20 @@ def score_samples(
         for choice in range(max(len(c) for c in candidates)):
             rows = [prefixes[row] + candidates[row][choice] for row in range(len(batch))]
             ids, mask = _right_pad(rows, pad)
+            # Only the positions that predict a candidate token need the LM head (rows are right-padded).
+            keep = ids.shape[1] - min(map(len, prefixes)) + 1
             if method == "ccm":
                 logits = model(
-                    input_ids=ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache.copy()
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    past_key_values=cache.copy(),
+                    logits_to_keep=keep,
                 ).logits
             else:
                 plain = model.adapter_disabled() if model.config.conditional_lora else contextlib.nullcontext()
                 with plain:
                     logits = model.base_model(
-                        input_ids=ids.to(model.device), attention_mask=mask.to(model.device)
+                        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), logits_to_keep=keep
                     ).logits
             targets = _target_log_probs(
                 logits,

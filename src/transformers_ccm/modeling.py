@@ -392,11 +392,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     **{name: tokens}, attention_mask=attention_mask, past_key_values=cache, labels=labels, **kwargs
                 )
             cache.input_mask(attention_mask)
+            keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
             logits = [
                 self.base_model(**{name: piece}, past_key_values=cache, **kwargs).logits
                 for piece in tokens.split(step, dim=1)
             ]
-        output = CausalLMOutputWithPast(logits=torch.cat(logits, dim=1), past_key_values=cache)
+        every = torch.cat(logits, dim=1)
+        output = CausalLMOutputWithPast(
+            logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], past_key_values=cache
+        )
         if labels is not None:
             output.loss = self.base_model.loss_function(
                 logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]

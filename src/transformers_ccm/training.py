@@ -75,6 +75,9 @@ class TrainingRecipe:
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
     layout: Layout = "ccm"
+    # None: 128 on a GPU (the block size of the compiled block-sparse attention, which then compiles for a few
+    # lengths only), no extra padding on CPU.
+    pad_to_multiple_of: int | None = None
 
 
 def train(
@@ -137,7 +140,12 @@ def train(
         train_dataset=list(train_samples),
         eval_dataset=list(eval_samples) if eval_samples else None,
         data_collator=CCMDataCollator(
-            model, tokenizer=tokenizer, pad_token_id=pad, supervision=recipe.supervision, layout=recipe.layout
+            model,
+            tokenizer=tokenizer,
+            pad_token_id=pad,
+            supervision=recipe.supervision,
+            layout=recipe.layout,
+            pad_to_multiple_of=recipe.pad_to_multiple_of or (128 if on_gpu else None),
         ),
     )
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
