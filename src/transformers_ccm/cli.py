@@ -110,10 +110,11 @@ def _initial_adapter_config(adapter: str, requested: CCMConfig) -> CCMConfig:
 
     config, _ = read_adapter(resolve_adapter(adapter))
     if config.conditional_lora != requested.conditional_lora:
-        wanted, kind = ("ccm", "the full-context baseline") if config.conditional_lora else ("full-context", "CCM")
+        kind, asked, method = ("CCM", "the full-context baseline", "ccm")
+        if not config.conditional_lora:
+            kind, asked, method = ("full-context", "CCM", "full-context")
         raise SystemExit(
-            f"--init-adapter {adapter} is a {'CCM' if config.conditional_lora else 'full-context'} adapter, "
-            f"but --method asks for {kind}; pass --method {wanted}."
+            f"--init-adapter {adapter} is a {kind} adapter, but --method asks for {asked}; pass --method {method}."
         )
     kept = ", ".join(
         f"{flag} {getattr(config, name)}"
