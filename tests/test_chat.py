@@ -3,9 +3,12 @@
 import copy
 
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiny_models import tiny_ccm
-from transformers_ccm.chat import ChatSession, TurnFormat
+from tiny_models import randomize_adapter, tiny_ccm
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
 from transformers_ccm.embedded import load_tokenizer
 
 
@@ -50,3 +53,32 @@ def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
     plain.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         ChatSession(tiny_ccm("llama"), plain)
+
+
+@pytest.mark.parametrize("conditional_lora", [True, False])
+def test_full_context_chat_is_the_base_model_reading_the_whole_conversation(tokenizer, conditional_lora):
+    """Its replies are the base model's (the adapter off, even an unconditional LoRA) greedy replies to the
+    whole conversation written with the chat template, and the history grows by every exchange."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    base = LlamaForCausalLM(config).eval()
+    model = randomize_adapter(
+        CCMForCausalLM.from_base(copy.deepcopy(base), CCMConfig(conditional_lora=conditional_lora))
+    )
+    chat = FullContextChat(model, tokenizer, max_new_tokens=5)
+    history: list[int] = []
+    for message in ("Hi! I'm Maria.", "What is my name?"):
+        history += chat.prompt_ids(message)
+        expected = base.generate(torch.tensor([history]), max_new_tokens=5, do_sample=False)[0, len(history) :]
+        reply_ids = expected.tolist()
+        end = chat._end_of_turn
+        reply_ids = reply_ids[: reply_ids.index(end)] if end in reply_ids else reply_ids
+        assert chat.turn(message) == tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+        assert chat.history[: len(history)] == history and chat.history_tokens == len(chat.history) > len(history)
+        history = list(chat.history)
+    with pytest.raises(ValueError, match="message is empty"):
+        chat.turn("  ")
+    assert chat.history == history

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -180,6 +181,16 @@ def test_demo_runs_by_itself(tiny_model, adapter, capsys):
     main(["demo", "--model", tiny_model, "--adapter", adapter, "--turns", "3", "--max-new-tokens", "4"])
     out = capsys.readouterr().out
     assert out.count("you: ") == 3 and out.count("full context would hold") == 3
+
+
+def test_demo_shows_the_full_context_baseline(tiny_model, adapter, capsys):
+    main(
+        ["demo", "--model", tiny_model, "--adapter", adapter, "--turns", "2", "--max-new-tokens", "4", "--full-context"]
+    )
+    out = capsys.readouterr().out
+    assert "alone, with the whole conversation" in out and out.count("you: ") == 2
+    counts = [int(n) for n in re.findall(r"\[full context: (\d+) tokens\]", out)]
+    assert len(counts) == 2 and 0 < counts[0] < counts[1]
 
 
 def test_cli_errors_are_clear(tiny_model, capsys):

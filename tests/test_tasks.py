@@ -1,6 +1,7 @@
 """Built-in online tasks and the JSONL format."""
 
 import json
+import random
 import re
 
 import pytest
@@ -23,9 +24,10 @@ from transformers_ccm.tasks import (
 )
 from transformers_ccm.tasks.document import passages
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK
+from transformers_ccm.tasks.icl import varied_frame
 from transformers_ccm.tasks.personalization import FILLER
 from transformers_ccm.tasks.vocabulary import POOLS, in_test_split, words
-from transformers_ccm.tasks.wordings import Phrasings
+from transformers_ccm.tasks.wordings import Phrasings, at_answer
 
 
 @pytest.mark.parametrize("task", [*TASKS, MIXTURE])
@@ -125,6 +127,8 @@ def _literal_parts(template):
 
 
 def _templates(wording):
+    if getattr(wording, "varied", False):
+        return []  # a new frame per sample: see test_varied_frames_are_many_and_read_as_they_are_written
     return [
         getattr(wording, field)
         for field in ("demonstration", "post", "question", "exchange")
@@ -157,6 +161,45 @@ def test_held_out_wordings_share_no_frame_or_phrase_with_training():
     assert held_out_parts and not [part for part in held_out_parts if part in training]
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), entity=st.sampled_from(["Peru", "soil scientist"]))
+def test_varied_frames_are_many_and_read_as_they_are_written(seed, entity):
+    """Every varied frame holds the entity, then the label; cut at the label, prompt + output is the
+    demonstration as written; and it shares no field name or phrase with a held-out wording."""
+
+    frame = varied_frame(random.Random(seed))
+    assert frame.count("{x}") == frame.count("{answer}") == 1 and frame.index("{x}") < frame.index("{answer}")
+    prompt, output = at_answer(frame, "north", x=entity)
+    assert prompt + output == frame.format(x=entity, answer="north").rstrip()
+    assert not prompt.endswith(" ") and output.strip().startswith("north")
+    held_out = {part for w in WORDINGS["icl"] if w.held_out for part in _literal_parts(w.demonstration)}
+    assert not [part for part in held_out if part in frame]
+
+
+def test_varied_wording_gives_many_frames_in_training():
+    frames = {
+        built.sample.contexts[0].replace(built.items[0], "{x}")
+        for built in make_task_samples("icl", "train", 400, seed=0, steps=1)
+        if built.wording == "icl/varied"
+    }
+    assert len(frames) >= 25
+
+
+def test_weighted_mixture_takes_families_in_turn_by_weight():
+    tasks = [built.task for built in make_task_samples("icl:3,dialogue:1", "train", 8, seed=0)]
+    assert tasks == ["icl", "icl", "icl", "dialogue"] * 2
+    assert make_samples("mixture", "train", 8, seed=2) != make_samples("icl:1,dialogue:1", "train", 8, seed=2)
+    unseen = make_task_samples("icl:2,document:1", "test", 6, wordings="unseen")
+    assert {b.task for b in unseen} == {"icl"} and all(b.held_out for b in unseen)
+    assert set(wording_ids("icl:2,dialogue:1")) == set(wording_ids("icl")) | set(wording_ids("dialogue"))
+
+
+@pytest.mark.parametrize("task", ["icl:0", "icl:two", "icl:1,icl:2", "icl:1,poems:1", "icl:1,,dialogue:1"])
+def test_a_malformed_mixture_is_refused_with_the_fix(task):
+    with pytest.raises(ValueError, match=r"weight|Unknown task"):
+        make_samples(task, "train", 1)
+
+
 def test_make_samples_keeps_its_signature():
     samples = make_samples("dialogue", "test", 5, 3, 4)
     assert samples == [b.sample for b in make_task_samples("dialogue", "test", 5, seed=3, steps=4)]
@@ -174,6 +217,8 @@ def test_prompt_and_output_read_as_the_wording_writes_them(task):
     for built in make_task_samples(task, "test", 30, seed=4, steps=2):
         sample = built.sample
         wording = next(w for w in WORDINGS[task] if w.id == built.wording)
+        if getattr(wording, "varied", False):
+            continue  # a frame per sample, checked by test_varied_frames_are_many_and_read_as_they_are_written
         template = _templates(wording)[-1]  # the one that holds the answer
         suffix = template.split("{answer}")[1].rstrip()
         assert sample.output.endswith(suffix) and not sample.input.endswith(" ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import Cache, GenerationMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
@@ -63,24 +64,13 @@ class TurnReport:
     full_context_bytes: int
 
 
-class ChatSession:
-    """One user's conversation, written with the tokenizer's chat template. Each turn attends to the memory
-    only, then is folded into it (the `<COMP>` block runs; the turn is not re-encoded).
+class _Conversation:
+    """What every conversation shares: the chat template's turn format and a greedy reply that stops where the
+    template ends a reply."""
 
-    What the user types is text: special-token strings in it (such as `<|im_end|>`) stay plain text and never
-    become role markers.
-    """
-
-    def __init__(
-        self,
-        model: CCMForCausalLM,
-        tokenizer: PreTrainedTokenizerBase,
-        cache: CompressedMemoryCache | None = None,
-        max_new_tokens: int = 96,
-    ) -> None:
+    def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.cache = cache if cache is not None else model.new_cache()
         self.max_new_tokens = max_new_tokens
         self.history_tokens = 0
         self.format = TurnFormat.of(tokenizer)
@@ -96,36 +86,84 @@ class ChatSession:
 
     def prompt_ids(self, message: str) -> list[int]:
         """The ids of a user turn, up to where the assistant's reply starts."""
+        if not message.strip():
+            raise ValueError("The message is empty; type something to say.")
         return (
             self._ids(self.format.before_message)
             + self._ids(message, plain=True)
             + self._ids(self.format.after_message)
         )
 
-    def turn(self, message: str) -> TurnReport:
-        """Answer `message`, fold the exchange into memory, and report the memory held."""
-        if not message.strip():
-            raise ValueError("The message is empty; type something to say.")
-        prompt = self.prompt_ids(message)
-        output = self.model.generate(
-            torch.tensor([prompt], device=self.model.device),
-            past_key_values=self.cache,
+    def _reply(
+        self, input_ids: list[int], model: GenerationMixin, cache: Cache | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """`model`'s greedy reply to `input_ids` after what `cache` holds: (every generated id, the reply's ids,
+        the ids that close the turn as the template writes it but were not generated)."""
+        output = model.generate(
+            torch.tensor([input_ids], device=self.model.device),
+            past_key_values=cache,
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
             eos_token_id=self._end_of_turn,
             pad_token_id=self._end_of_turn,
         )
-        generated = output[0, len(prompt) :].tolist()
-        reply_ids = generated[: generated.index(self._end_of_turn)] if self._end_of_turn in generated else generated
+        generated = output[0, len(input_ids) :].tolist()
+        if self._end_of_turn in generated:
+            return generated, generated[: generated.index(self._end_of_turn)], self._after_reply
+        return generated, generated, [self._end_of_turn, *self._after_reply]
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+class ChatSession(_Conversation):
+    """One user's conversation, written with the tokenizer's chat template. Each turn attends to the memory
+    only, then is folded into it (the `<COMP>` block runs; the turn is not re-encoded).
+
+    What the user types is text: special-token strings in it (such as `<|im_end|>`) stay plain text and never
+    become role markers.
+    """
+
+    def __init__(
+        self,
+        model: CCMForCausalLM,
+        tokenizer: PreTrainedTokenizerBase,
+        cache: CompressedMemoryCache | None = None,
+        max_new_tokens: int = 96,
+    ) -> None:
+        super().__init__(model, tokenizer, max_new_tokens)
+        self.cache = cache if cache is not None else model.new_cache()
+
+    def turn(self, message: str) -> TurnReport:
+        """Answer `message`, fold the exchange into memory, and report the memory held."""
+        prompt = self.prompt_ids(message)
+        generated, reply_ids, closing = self._reply(prompt, self.model, self.cache)
         # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
-        closing = self._after_reply if self._end_of_turn in generated else [self._end_of_turn, *self._after_reply]
         self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
         self.history_tokens += len(prompt) + len(generated) + len(closing)
         per_token = kv_bytes_per_token(self.model)
         return TurnReport(
-            reply=self.tokenizer.decode(reply_ids, skip_special_tokens=True).strip(),
+            reply=self._text(reply_ids),
             memory_slots=int(self.cache.memory_mask[0].sum()),
             memory_bytes=self.cache.memory_bytes(),
             full_context_tokens=self.history_tokens,
             full_context_bytes=self.history_tokens * per_token,
         )
+
+
+class FullContextChat(_Conversation):
+    """The same conversation through the base model alone (adapter off) with the whole history as its prompt:
+    what compressed memory is compared against. Its KV grows with every token."""
+
+    def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 96) -> None:
+        super().__init__(model, tokenizer, max_new_tokens)
+        self.history: list[int] = []
+
+    def turn(self, message: str) -> str:
+        """Answer `message` from the whole conversation so far and keep the exchange in it."""
+        prompt = self.history + self.prompt_ids(message)
+        with self.model.adapter_disabled():
+            generated, reply_ids, closing = self._reply(prompt, self.model.base_model, None)
+        self.history = prompt + generated + closing
+        self.history_tokens = len(self.history)
+        return self._text(reply_ids)

@@ -368,15 +368,23 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from transformers_ccm.chat import ChatSession
+    from transformers_ccm.chat import ChatSession, FullContextChat
 
     model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model, args.device)
+    script = demo_script(**DEMO_FACTS)[: args.turns]
+    if args.full_context:
+        print(f"{model.config.base_model_name_or_path} alone, with the whole conversation as its prompt:\n")
+        baseline = FullContextChat(model, tokenizer, max_new_tokens=args.max_new_tokens)
+        for message in script:
+            reply = baseline.turn(message)
+            print(f"you: {message}\nassistant: {reply}\n  [full context: {baseline.history_tokens} tokens]")
+        return
     print(
         f"CCM-{model.config.update} on {model.config.base_model_name_or_path}: every turn is folded into "
         f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
     )
     session = ChatSession(model, tokenizer, max_new_tokens=args.max_new_tokens)
-    for message in demo_script(**DEMO_FACTS)[: args.turns]:
+    for message in script:
         print(f"you: {message}")
         _print_turn(session.turn(message))
 
@@ -390,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--task",
         default="mixture",
-        help="icl | personalization | dialogue | document | mixture (all four) | text (long text, for streaming), "
+        help="icl | personalization | dialogue | document | mixture (all four) | a weighted mixture such as "
+        "icl:3,dialogue:1 | text (long text, for streaming), "
         "or a JSONL file",
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
@@ -489,6 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--memory-file", default=None, help="keep this user's memory between runs")
         else:
             sub.add_argument("--turns", type=int, default=None, help="stop after this many turns (default: all)")
+            sub.add_argument(
+                "--full-context",
+                action="store_true",
+                help="run the script through the base model alone with the whole conversation as its prompt (what "
+                "compression is compared against)",
+            )
         sub.set_defaults(handler=handler)
     return parser
 

@@ -45,9 +45,28 @@ MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "document": 8}
 MIXTURE = "mixture"
 
 
+def mixture_weights(task: str) -> dict[str, int]:
+    """How many samples of each family come in turn in `task`: a family alone, "mixture" (every family once),
+    or a weighted mixture written "icl:3,dialogue:1" (three ICL samples, then one dialogue, and again)."""
+    if task == MIXTURE:
+        return dict.fromkeys(TASKS, 1)
+    if ":" not in task:
+        return {_check_task(task): 1}
+    weights: dict[str, int] = {}
+    for part in task.split(","):
+        family, _, weight = part.strip().partition(":")
+        if not weight.strip().isdigit() or int(weight) < 1 or family.strip() in weights:
+            raise ValueError(
+                f"Cannot read the mixture {task!r} at {part!r}: write each family once with a positive whole "
+                'weight, such as "icl:3,personalization:1,dialogue:1".'
+            )
+        weights[_check_task(family.strip())] = int(weight)
+    return weights
+
+
 def wording_ids(task: str, wordings: WordingSet = "all") -> list[str]:
-    """The ids of the wordings of `task` (or of every family, for "mixture") in the set `wordings`."""
-    families = list(TASKS) if task == MIXTURE else [_check_task(task)]
+    """The ids of the wordings of `task` (a family or a mixture of them) in the set `wordings`."""
+    families = list(mixture_weights(task))
     return [
         w.id
         for family in families
@@ -69,8 +88,9 @@ def make_task_samples(
     steps: int | None = None,
     wordings: WordingSet | None = None,
 ) -> list[TaskSample]:
-    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "document" or "mixture"), each
-    with its wording id and the word-list items it uses.
+    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "document", "mixture", or a
+    weighted mixture such as "icl:3,dialogue:1"; see `mixture_weights`), each with its wording id and the
+    word-list items it uses.
 
     With `steps=None` each sample has a random number of contexts (1 to the family's maximum); otherwise
     exactly `steps`. `wordings` picks the surface forms: "seen" (the default for training; the only set
@@ -78,13 +98,14 @@ def make_task_samples(
     asking for unseen wordings draws from the families that have some. The same arguments always give the
     same samples.
     """
-    if task != MIXTURE:
-        _check_task(task)
+    weights = mixture_weights(task)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
     which = check_wording_set(split, wordings)
-    families = [task] if task != MIXTURE else [f for f in TASKS if which != "unseen" or has_unseen_wordings(f)]
-    pools = {family: select(family, WORDINGS[family], which) for family in families}
+    if len(weights) > 1 and which == "unseen":
+        weights = {family: weight for family, weight in weights.items() if has_unseen_wordings(family)}
+    families = [family for family, weight in weights.items() for _ in range(weight)]
+    pools = {family: select(family, WORDINGS[family], which) for family in weights}
     rng = random.Random(f"{task}:{split}:{seed}:{steps}:{which}")
     samples = []
     for index in range(count):
@@ -110,7 +131,10 @@ def make_samples(
 
 def _check_task(task: str) -> str:
     if task not in TASKS:
-        raise ValueError(f"Unknown task {task!r}; choose one of {[*TASKS, MIXTURE]} or pass a JSONL file.")
+        raise ValueError(
+            f"Unknown task {task!r}; choose one of {[*TASKS, MIXTURE]}, a weighted mixture such as "
+            '"icl:3,dialogue:1", or pass a JSONL file.'
+        )
     return task
 
 
@@ -192,6 +216,7 @@ __all__ = [
     "load_jsonl",
     "make_samples",
     "make_task_samples",
+    "mixture_weights",
     "save_jsonl",
     "wording_ids",
 ]
