@@ -19,9 +19,10 @@ test: install
 
 # Slow, on the real model (2 CPU cores): train the shipped adapters into the package (keeping the adapter
 # files, not the checkpoints). Merge: 200 steps of 8 on the mixture with output supervision (about 40
-# minutes). Concat: the same first stage, then 60 more steps of 8 continuing it with self-distillation from
-# full context on the mixture of many wordings (about 30 minutes). The same second stage made merge worse on
-# ICL (docs/results.md), so merge ships after stage 1. On a GPU, see docs/training.md.
+# minutes). Concat: the same first stage; 60 more steps of 8 continuing it with self-distillation from full
+# context on the mixture of many wordings (about 30 minutes); then 120 steps of 8 on a mixture weighted toward
+# ICL, with distillation (about an hour). The second stage made merge worse on ICL (docs/results.md), so merge
+# ships after stage 1. On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
 
 adapters: install
@@ -29,16 +30,23 @@ adapters: install
 		--steps 200 --batch-size 8 --output-dir out/stage1-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-concat --task mixture \
 		--distill-weight 1 --learning-rate 5e-4 --steps 60 --batch-size 8 --eval-every 20 --eval-samples 16 \
-		--output-dir $(SHIPPED)/smollm2-concat
+		--output-dir out/stage2-concat
+	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-concat \
+		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
+		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir $(SHIPPED)/smollm2-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir $(SHIPPED)/smollm2-merge
 	rm -rf $(SHIPPED)/*/checkpoint-*
 
-# About 25 minutes on 2 CPU cores: the largest time step, 48 samples per task and wording set (the full
-# default, every time step at 200 samples, takes hours on a CPU).
+# About 40 minutes on 2 CPU cores: the largest time step, 96 samples per wording set for ICL and 48 for
+# personalization and dialogue (the full default, every time step at 200 samples, takes hours on a CPU).
 results: install
-	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks icl personalization \
-		--steps 16 --samples 48 --output-dir docs/results
+	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks icl \
+		--steps 16 --samples 96 --output-dir docs/results/icl-t16
+	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks personalization \
+		--steps 16 --samples 48 --output-dir docs/results/personalization-t16
+	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks dialogue \
+		--steps 12 --samples 48 --output-dir docs/results/dialogue-t12
 
 # Streaming (about 55 minutes on 2 CPU cores, then about 10): the shipped streaming adapter, trained on the
 # training split of the long text, and CCM against StreamingLLM at the same KV size on the held-out split.

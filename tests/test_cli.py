@@ -85,11 +85,13 @@ def test_train_continues_an_adapter_with_its_structure(tiny_model, adapter, tmp_
     from safetensors.torch import load_file
 
     merge = tmp_path / "merge"
-    CCMForCausalLM.from_base(tiny_model, CCMConfig(num_comp_tokens=3, update="merge")).save_pretrained(merge)
+    first_stage = CCMConfig(num_comp_tokens=3, update="merge", trained_on="my chats")
+    CCMForCausalLM.from_base(tiny_model, first_stage).save_pretrained(merge)
     train(tiny_model, tmp_path / "continued", 1, "--init-adapter", str(merge), "--learning-rate", "0")
     assert "its structure is kept (--update merge, --num-comp-tokens 3" in capsys.readouterr().out
     config = json.loads((tmp_path / "continued" / "ccm_config.json").read_text())
-    assert (config["update"], config["num_comp_tokens"]) == ("merge", 3) and "mixture" in config["trained_on"]
+    assert (config["update"], config["num_comp_tokens"]) == ("merge", 3)
+    assert config["trained_on"] == "my chats, then transformers-ccm built-in task 'mixture'"
     before, after = (
         load_file(merge / "adapter_model.safetensors"),
         load_file(tmp_path / "continued" / "adapter_model.safetensors"),

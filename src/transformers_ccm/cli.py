@@ -121,7 +121,9 @@ def _initial_adapter_config(adapter: str, requested: CCMConfig) -> CCMConfig:
         for flag, name in (("--update", "update"), ("--num-comp-tokens", "num_comp_tokens"), ("--lora-r", "r"))
     )
     print(f"continuing {adapter}: its structure is kept ({kept})")
-    return replace(config, trained_on=requested.trained_on, base_model_shape=None)
+    # The card tells the adapter's whole training, earlier stages first.
+    trained_on = f"{config.trained_on}, then {requested.trained_on}" if config.trained_on else requested.trained_on
+    return replace(config, trained_on=trained_on, base_model_shape=None)
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
