@@ -4,9 +4,8 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiny_models import randomize_adapter, tiny_ccm
+from tiny_models import randomize_adapter, tiny_ccm, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
 from transformers_ccm.embedded import load_tokenizer
@@ -59,12 +58,7 @@ def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
 def test_full_context_chat_is_the_base_model_reading_the_whole_conversation(tokenizer, conditional_lora):
     """Its replies are the base model's (the adapter off, even an unconditional LoRA) greedy replies to the
     whole conversation written with the chat template, and the history grows by every exchange."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    base = LlamaForCausalLM(config).eval()
+    base = tiny_llama_for(tokenizer)
     model = randomize_adapter(
         CCMForCausalLM.from_base(copy.deepcopy(base), CCMConfig(conditional_lora=conditional_lora))
     )

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tiny_models import tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.cli import main
 from transformers_ccm.embedded import load_tokenizer
@@ -20,19 +20,7 @@ from transformers_ccm.embedded import load_tokenizer
 def tiny_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-smollm")
     tokenizer = load_tokenizer("default")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_llama_for(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 

@@ -5,10 +5,8 @@ import math
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tiny_models import randomize_adapter
+from tiny_models import randomize_adapter, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
@@ -33,17 +31,8 @@ def tokenizer():
 
 
 def _model(tokenizer, seed: int, **config) -> CCMForCausalLM:
-    torch.manual_seed(0)  # the same base for every adapter
-    base = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = CCMForCausalLM.from_base(AutoModelForCausalLM.from_config(base).eval(), CCMConfig(**config))
+    base = tiny_llama_for(tokenizer)  # the same base for every adapter
+    model = CCMForCausalLM.from_base(base, CCMConfig(**config))
     return randomize_adapter(model, seed=seed)
 
 

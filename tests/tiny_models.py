@@ -20,6 +20,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.lora import lora_layers
@@ -76,6 +77,23 @@ def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:
     config = _configs()[architecture]
     implementation = config._attn_implementation if architecture in ("llama-eager", "gemma2") else "sdpa"
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+
+
+def tiny_llama_for(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
+    """A tiny random Llama with `tokenizer`'s vocabulary and special tokens, for tests that need real text."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def randomize_adapter(model: CCMForCausalLM, seed: int = 1) -> CCMForCausalLM:

@@ -72,7 +72,6 @@ class _Conversation:
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.history_tokens = 0
         self.format = TurnFormat.of(tokenizer)
         end_of_reply = self._ids(self.format.end_of_reply)
         if not end_of_reply:
@@ -133,6 +132,7 @@ class ChatSession(_Conversation):
     ) -> None:
         super().__init__(model, tokenizer, max_new_tokens)
         self.cache = cache if cache is not None else model.new_cache()
+        self.history_tokens = 0  # what a full-context model would hold for the same conversation
 
     def turn(self, message: str) -> TurnReport:
         """Answer `message`, fold the exchange into memory, and report the memory held."""
@@ -159,11 +159,14 @@ class FullContextChat(_Conversation):
         super().__init__(model, tokenizer, max_new_tokens)
         self.history: list[int] = []
 
+    @property
+    def history_tokens(self) -> int:
+        return len(self.history)
+
     def turn(self, message: str) -> str:
         """Answer `message` from the whole conversation so far and keep the exchange in it."""
         prompt = self.history + self.prompt_ids(message)
         with self.model.adapter_disabled():
             generated, reply_ids, closing = self._reply(prompt, self.model.base_model, None)
         self.history = prompt + generated + closing
-        self.history_tokens = len(self.history)
         return self._text(reply_ids)

@@ -54,13 +54,13 @@ def mixture_weights(task: str) -> dict[str, int]:
         return {_check_task(task): 1}
     weights: dict[str, int] = {}
     for part in task.split(","):
-        family, _, weight = part.strip().partition(":")
-        if not weight.strip().isdigit() or int(weight) < 1 or family.strip() in weights:
+        family, _, weight = (word.strip() for word in part.partition(":"))
+        if not weight.isdigit() or int(weight) < 1 or family in weights:
             raise ValueError(
                 f"Cannot read the mixture {task!r} at {part!r}: write each family once with a positive whole "
                 'weight, such as "icl:3,personalization:1,dialogue:1".'
             )
-        weights[_check_task(family.strip())] = int(weight)
+        weights[_check_task(family)] = int(weight)
     return weights
 
 
