@@ -18,7 +18,7 @@ from transformers_ccm import StreamingConfig
 
 def main() -> None:
     model = build_model(update="concat").eval()  # untrained here: this shows the memory, not the quality
-    ccm = StreamingConfig(window_tokens=148, sink_tokens=4, compress_chunk=64, max_memory_tokens=8)
+    ccm = StreamingConfig(window_tokens=148, sink_tokens=4, compress_chunk=32, max_memory_tokens=8)
     settings = {"CCM-concat": ccm, "StreamingLLM": ccm.same_size_baseline(model.config)}
     prompt = torch.randint(3, 97, (2, 10))  # two streams in one batch
     for name, streaming in settings.items():

@@ -189,13 +189,15 @@ def test_cli_errors_are_clear(tiny_model, capsys):
     assert exit_info.value.code == 2 and "Unknown task 'qa'" in capsys.readouterr().err
 
 
-TEXT_TRAINING = "--task text --steps 2 --batch-size 2 --eval-every 2 --eval-samples 2"
+TEXT_TRAINING = "--task text-varied --compress-chunk 16 --steps 2 --batch-size 2 --eval-every 2 --eval-samples 2"
 STREAM_EVAL = "--tokens 300 --window-tokens 40 --sink-tokens 2 --compress-chunk 16 --max-memory-tokens 4 --bucket 100"
 
 
 def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "stream"), *TEXT_TRAINING.split()])
-    assert "built-in task 'text'" in json.loads((tmp_path / "stream" / "ccm_config.json").read_text())["trained_on"]
+    assert (
+        "built-in task 'text-varied'" in json.loads((tmp_path / "stream" / "ccm_config.json").read_text())["trained_on"]
+    )
     adapter = str(tmp_path / "stream")
     main(
         [
@@ -295,3 +297,22 @@ def test_device_auto_picks_a_gpu_only_when_there_is_one():
 
     assert _device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert _device("cuda:1") == "cuda:1" and _device("cpu") == "cpu"
+
+
+def test_train_refuses_a_compress_chunk_that_leaves_no_window(tiny_model, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "train",
+                "--model",
+                tiny_model,
+                "--output-dir",
+                str(tmp_path / "a"),
+                "--task",
+                "text",
+                "--compress-chunk",
+                "148",
+            ]
+        )
+    assert "--compress-chunk 148 leaves no window; use one below 148" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()

@@ -275,18 +275,57 @@ def test_long_text_splits_topics_by_identity():
             assert text.strip() in test
 
 
-def test_stream_samples_are_consecutive_text():
+def test_docstring_text_splits_modules_by_identity():
+    from transformers_ccm.tasks.text import _stdlib_docstrings, long_text
+
+    modules = _stdlib_docstrings()
+    assert {"email.message", "calendar", "json"} <= set(modules)
+    assert not any(part in {"test", "tests", "site-packages"} for name in modules for part in name.split("."))
+    train, test = long_text("train", ["docstrings"]), long_text("test", ["docstrings"])
+    assert len(test) > 50_000 and len(train) > 2 * len(test)
+    for name, text in modules.items():
+        assert text in (test if in_test_split(name) else train)
+    both = long_text("test", ["reference", "docstrings"])
+    assert both == long_text("test") + "\n\n" + test
+
+
+@pytest.mark.parametrize("sources", [[], ["reference", "novels"]])
+def test_long_text_refuses_unknown_sources(sources):
+    from transformers_ccm.tasks.text import long_text
+
+    with pytest.raises(ValueError, match=r"Text sources must be some of \['reference', 'docstrings'\]"):
+        long_text("train", sources)
+
+
+@pytest.fixture(scope="module")
+def held_out_text_ids():
     from transformers_ccm.embedded import load_tokenizer
-    from transformers_ccm.tasks.text import long_text, stream_samples
+    from transformers_ccm.tasks.text import long_text
 
     tokenizer = load_tokenizer("default")
-    samples = stream_samples(tokenizer, "test", 6, seed=1)
-    assert samples == stream_samples(tokenizer, "test", 6, seed=1) != stream_samples(tokenizer, "test", 6, seed=2)
-    ids = tokenizer(long_text("test"), add_special_tokens=False)["input_ids"]
+    return tokenizer, tokenizer(long_text("test"), add_special_tokens=False)["input_ids"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    chunk=st.integers(1, 96),
+    max_chunks=st.integers(1, 6),
+    max_window=st.integers(1, 120),
+    output=st.integers(1, 80),
+    seed=st.integers(0, 1000),
+)
+def test_stream_samples_are_consecutive_text(held_out_text_ids, chunk, max_chunks, max_window, output, seed):
+    from transformers_ccm.tasks.text import stream_samples
+
+    tokenizer, ids = held_out_text_ids
+    sizes = {"chunk": chunk, "max_chunks": max_chunks, "max_window": max_window, "output": output}
+    samples = stream_samples(tokenizer, "test", 4, seed=seed, **sizes)
+    assert samples == stream_samples(tokenizer, "test", 4, seed=seed, **sizes)
+    assert samples != stream_samples(tokenizer, "test", 4, seed=seed + 1, **sizes)
     for sample in samples:
-        assert 1 <= len(sample.contexts) <= 4 and all(len(chunk) == 64 for chunk in sample.contexts)
-        assert 1 <= len(sample.input) <= 84 and len(sample.output) == 64
-        joined = [*(t for chunk in sample.contexts for t in chunk), *sample.input, *sample.output]
+        assert 1 <= len(sample.contexts) <= max_chunks and all(len(part) == chunk for part in sample.contexts)
+        assert 1 <= len(sample.input) <= max_window and len(sample.output) == output
+        joined = [*(t for part in sample.contexts for t in part), *sample.input, *sample.output]
         start = ids.index(joined[0])
         while ids[start : start + len(joined)] != joined:
             start = ids.index(joined[0], start + 1)

@@ -34,15 +34,24 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_samples(
-    task: str, split: str, count: int, seed: int, tokenizer: PreTrainedTokenizerBase
+    task: str, split: str, count: int, seed: int, tokenizer: PreTrainedTokenizerBase, compress_chunk: int
 ) -> list[OnlineSample]:
+    from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks import load_jsonl, make_samples
-    from transformers_ccm.tasks.text import stream_samples
+    from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples
 
     if task.endswith(".jsonl") or os.path.exists(task):
         return load_jsonl(task)
-    if task == "text":
-        return stream_samples(tokenizer, split, count, seed=seed)
+    if task in TEXT_TASKS:
+        # After a compression the window holds `window_tokens - compress_chunk` tokens; samples span the same.
+        window = StreamingConfig().window_tokens - compress_chunk
+        if window < 1:
+            raise ValueError(
+                f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
+            )
+        return stream_samples(
+            tokenizer, split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
+        )
     return make_samples(task, split, count, seed=seed)
 
 
@@ -90,12 +99,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         layout="full_context" if args.method == "full-context" else "ccm",
     )
     train_samples = _load_samples(
-        args.task, "train", args.steps * args.batch_size * args.gradient_accumulation, args.seed, tokenizer
+        args.task,
+        "train",
+        args.steps * args.batch_size * args.gradient_accumulation,
+        args.seed,
+        tokenizer,
+        args.compress_chunk,
     )
     eval_samples = (
-        _load_samples(args.eval_task, "test", args.eval_samples, args.seed, tokenizer)
+        _load_samples(args.eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
         if args.eval_task
-        else _load_samples(args.task, "test", args.eval_samples, args.seed, tokenizer)
+        else _load_samples(args.task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
         if not os.path.exists(args.task)
         else None
     )
@@ -401,8 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         default="mixture",
         help="icl | personalization | dialogue | document | mixture (all four) | a weighted mixture such as "
-        "icl:3,dialogue:1 | text (long text, for streaming), "
-        "or a JSONL file",
+        "icl:3,dialogue:1 | text (the Python reference, for streaming) | text-varied (the reference and the "
+        "standard library's docstrings, for streaming) | or a JSONL file",
+    )
+    train.add_argument(
+        "--compress-chunk",
+        type=int,
+        default=32,
+        help="text tasks: tokens per compressed chunk, as `ccm stream-eval --compress-chunk` will stream them",
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
     train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
@@ -480,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--piece", type=int, default=16, help="tokens fed per forward")
     stream.add_argument("--window-tokens", type=int, default=148)
     stream.add_argument("--sink-tokens", type=int, default=4)
-    stream.add_argument("--compress-chunk", type=int, default=64)
+    stream.add_argument("--compress-chunk", type=int, default=32)
     stream.add_argument("--max-memory-tokens", type=int, default=8)
     stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
     stream.add_argument("--output-dir", default="docs/results/streaming")
