@@ -106,11 +106,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         tokenizer,
         args.compress_chunk,
     )
+    # A JSONL training file has no held-out split of its own.
+    eval_task = args.eval_task or (None if os.path.exists(args.task) else args.task)
     eval_samples = (
-        _load_samples(args.eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
-        if args.eval_task
-        else _load_samples(args.task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
-        if not os.path.exists(args.task)
+        _load_samples(eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
+        if eval_task
         else None
     )
     model.print_trainable_parameters()
