@@ -1,10 +1,11 @@
-"""Training data: built-in task families in many wordings, weighted into one mixture, and a short training run.
+"""Training data: built-in task families in many wordings, weighted into one mixture, and a short training run;
+then long text trained as a stream, through the streaming cache `ccm stream-eval` measures.
 
 A weighted mixture gives cheap or important families more turns ("icl:3,dialogue:1": three ICL samples, then
 one dialogue, and again). ICL's `icl/varied` wording composes a new frame for every sample, so an adapter
 learns to read demonstrations, not one template. The run below uses a tiny random model with the embedded
 model's tokenizer so that it finishes in seconds; `ccm train --model default --task "icl:3,dialogue:1"` is
-the same on the real model.
+the same on the real model, and so is `ccm train --task text-varied --supervision stream`.
 
     python examples/training_data.py
 """
@@ -17,9 +18,11 @@ from collections import Counter
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.stream_training import tokens_before_compression
 from transformers_ccm.tasks import make_samples, make_task_samples
+from transformers_ccm.tasks.text import text_streams
 from transformers_ccm.training import TrainingRecipe, train
 
 MIXTURE = "icl:3,personalization:1,dialogue:1"
@@ -33,17 +36,7 @@ def main() -> None:
         print("a varied ICL frame:", repr(sample.contexts[0]), "->", repr(sample.input), repr(sample.output))
 
     tokenizer = load_tokenizer("default")
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    base = tiny_llama(len(tokenizer))
     model = CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=1, trained_on=f"built-in task '{MIXTURE}'"))
     held_out = make_samples(MIXTURE, "test", 8, seed=0)  # test-split names, entities and labels
     recipe = TrainingRecipe(steps=6, batch_size=4, learning_rate=1e-2, eval_every=3, save_every=1000, log_every=1000)
@@ -51,6 +44,35 @@ def main() -> None:
         trainer = train(model, tokenizer, [sample.sample for sample in built], held_out, output_dir, recipe)
     losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     print(f"held-out loss at steps 3 and 6: {losses[0]:.3f}, {losses[-1]:.3f}")
+
+    # Streams: each sample fills the sink and window, then is compressed three times on its way; the loss is on
+    # every token after the first compression, with gradients through all three.
+    streaming = StreamingConfig(window_tokens=48, sink_tokens=4, compress_chunk=16, max_memory_tokens=4)
+    length = tokens_before_compression(streaming) + 3 * streaming.compress_chunk + 1
+    streams, held_out_streams = (text_streams(tokenizer, split, 8, length) for split in ("train", "test"))
+    model = CCMForCausalLM.from_base(tiny_llama(len(tokenizer)), CCMConfig(trained_on="built-in task 'text'"))
+    recipe = TrainingRecipe(
+        steps=4, batch_size=2, learning_rate=1e-2, eval_every=2, save_every=1000, log_every=1000, streaming=streaming
+    )
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = train(model, tokenizer, streams, held_out_streams, output_dir, recipe)
+    losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    print(f"held-out streamed loss at steps 2 and 4: {losses[0]:.3f}, {losses[-1]:.3f}")
+
+
+def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
+    """A tiny random Llama: the run finishes in seconds (the same code trains the real model)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every held slot keeps its key un-rotated (rotated back from the position it was computed at, with the
 model's own rotary functions); each step rotates all slots to positions 0..n-1 and runs the model with an
-ordinary `DynamicCache`. Compression runs the `<COMP>` tokens over [sink | memory | oldest chunk].
+ordinary `DynamicCache`. Compression runs the `<COMP>` tokens over [sink | memory | oldest chunk]; with
+`keep_window_full` the chunk stays in the window and its slots leave one by one as new tokens need room.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ReferenceStream:
     memory: list[Slot] = field(default_factory=list)
     window: list[Slot] = field(default_factory=list)
     steps: int = 0
+    compressed: int = 0  # oldest window slots already in memory (keep_window_full)
 
     def _cache(self, slots: list[Slot]) -> DynamicCache:
         if not slots:
@@ -74,8 +76,14 @@ class ReferenceStream:
         return out.logits, slots
 
     def _compress_oldest_chunk(self) -> None:
+        """Compress the oldest chunk not yet compressed; it leaves the window, or (keep_window_full) stays."""
         config, ccm = self.config, self.model.config
-        chunk, self.window = self.window[: config.compress_chunk], self.window[config.compress_chunk :]
+        self.window = self.window[self.compressed :]
+        chunk = self.window[: config.compress_chunk]
+        if config.keep_window_full:
+            self.compressed = config.compress_chunk
+        else:
+            self.window = self.window[config.compress_chunk :]
         batch, n = chunk[0].keys[0].shape[0], ccm.num_comp_tokens
         comp = self.model.comp_embeddings[None].expand(batch, n, -1)
         with self.model.lora_at(torch.ones(batch, n, dtype=torch.bool)):
@@ -100,11 +108,13 @@ class ReferenceStream:
         config, q = self.config, input_ids.shape[1]
         to_sink = min(q, config.sink_tokens - len(self.sink))
         growth = q - to_sink
-        while config.compress and len(self.window) + growth > config.window_tokens:
+        # Compress while the tokens that must leave include some not yet in memory.
+        while config.compress and len(self.window) + growth - config.window_tokens > self.compressed:
             self._compress_oldest_chunk()
         excess = len(self.window) + growth - config.window_tokens
         if excess > 0:
             self.window = self.window[excess:]
+            self.compressed = max(0, self.compressed - excess)
         embeds = self.model.base_model.get_input_embeddings()(input_ids)
         logits, slots = self._run(self.sink + self.memory + self.window, embeds)
         self.sink += slots[:to_sink]

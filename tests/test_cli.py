@@ -193,25 +193,20 @@ TEXT_TRAINING = "--task text-varied --compress-chunk 16 --steps 2 --batch-size 2
 STREAM_EVAL = "--tokens 300 --window-tokens 40 --sink-tokens 2 --compress-chunk 16 --max-memory-tokens 4 --bucket 100"
 
 
+def stream_eval(model: str, adapter: Path, output: Path, *extra: str) -> dict:
+    """Run `ccm stream-eval` on the tiny model with small sizes; returns its report."""
+    arguments = ["--model", model, "--adapter", str(adapter), "--output-dir", str(output), *STREAM_EVAL.split()]
+    main(["stream-eval", *arguments, *extra])
+    return json.loads((output / "stream_eval.json").read_text())
+
+
 def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "stream"), *TEXT_TRAINING.split()])
     assert (
         "built-in task 'text-varied'" in json.loads((tmp_path / "stream" / "ccm_config.json").read_text())["trained_on"]
     )
     adapter = str(tmp_path / "stream")
-    main(
-        [
-            "stream-eval",
-            "--model",
-            tiny_model,
-            "--adapter",
-            adapter,
-            "--output-dir",
-            str(tmp_path / "results"),
-            *STREAM_EVAL.split(),
-        ]
-    )
-    report = json.loads((tmp_path / "results" / "stream_eval.json").read_text())
+    report = stream_eval(tiny_model, tmp_path / "stream", tmp_path / "results")
     assert report["tokens"] == 300 and set(report["methods"]) == {"ccm-concat", "streaming_llm"}
     for result in report["methods"].values():
         assert result["max_kv_length"] == 46 and result["peak_kv_held"] <= 46
@@ -315,4 +310,56 @@ def test_train_refuses_a_compress_chunk_that_leaves_no_window(tiny_model, tmp_pa
             ]
         )
     assert "--compress-chunk 148 leaves no window; use one below 148" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_train_on_streams(tiny_model, tmp_path):
+    main(
+        [
+            "train",
+            "--model",
+            tiny_model,
+            "--output-dir",
+            str(tmp_path / "stream"),
+            *[
+                "--task",
+                "text-varied",
+                "--compress-chunk",
+                "16",
+                "--steps",
+                "1",
+                "--batch-size",
+                "2",
+                "--eval-every",
+                "1",
+                "--eval-samples",
+                "2",
+            ],
+            "--supervision",
+            "stream",
+            "--stream-chunks",
+            "2",
+            "--distill-weight",
+            "1",
+        ]
+    )
+    assert (tmp_path / "stream" / "adapter_model.safetensors").is_file()
+    state = json.loads(next((tmp_path / "stream").glob("checkpoint-*/trainer_state.json")).read_text())
+    assert any("eval_loss" in entry for entry in state["log_history"])
+    for schedule in ("--keep-window-full", "--no-keep-window-full"):
+        report = stream_eval(tiny_model, tmp_path / "stream", tmp_path / schedule, schedule)
+        assert report["streaming"]["keep_window_full"] is (schedule == "--keep-window-full")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ("--task icl --supervision stream", "--supervision stream trains on long text; --task and --eval-task must be"),
+        ("--task text --supervision stream --stream-chunks 0", "--stream-chunks must be at least 1, got 0"),
+    ],
+)
+def test_train_refuses_streams_of_other_tasks(tiny_model, tmp_path, capsys, arguments, message):
+    with pytest.raises(SystemExit):
+        main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "a"), *arguments.split()])
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "a").exists()

@@ -52,10 +52,15 @@ def test_serving_from_threads_matches_one_by_one(capsys):
     assert any(line.startswith("bad request refused: context_ids holds the token id 10000") for line in lines)
 
 
-def test_training_data_mixes_families_by_weight_and_trains(capsys):
+def test_training_data_mixes_families_by_weight_and_trains_on_streams(capsys):
     runpy.run_path(str(EXAMPLES / "training_data.py"), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("{")]
     assert "families: {'icl': 24, 'personalization': 8, 'dialogue': 8}" in lines
     assert sum(line.startswith("a varied ICL frame:") for line in lines) == 2
-    at_3, at_6 = (float(word.rstrip(",")) for word in lines[-1].split()[-2:])
-    assert at_6 < at_3, lines[-1]
+    mixture, streamed = (
+        next(line for line in lines if line.startswith(start)) for start in ("held-out loss", "held-out streamed")
+    )
+    at_3, at_6 = (float(word.rstrip(",")) for word in mixture.split()[-2:])
+    assert at_6 < at_3, mixture
+    at_2, at_4 = (float(word.rstrip(",")) for word in streamed.split()[-2:])
+    assert at_4 < at_2, streamed

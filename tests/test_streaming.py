@@ -1,6 +1,8 @@
 """Streaming caches: exact re-rotation, StreamingLLM and CCM streams against a plain reference, bounded
 memory over long generations, batching, persistence and bad configurations."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -78,9 +80,10 @@ def test_streaming_llm_equals_the_reference(architecture, sink, window, piece, l
     extra_window=st.integers(0, 4),
     piece=st.integers(1, 3),
     length=st.integers(1, 48),
+    keep_window_full=st.booleans(),
 )
 def test_ccm_stream_equals_compress_then_evict_reference(
-    architecture, update, num_comp_tokens, sink, chunk, extra_window, piece, length
+    architecture, update, num_comp_tokens, sink, chunk, extra_window, piece, length, keep_window_full
 ):
     model = tiny_ccm(architecture, num_comp_tokens=num_comp_tokens, update=update)
     config = StreamingConfig(
@@ -88,6 +91,7 @@ def test_ccm_stream_equals_compress_then_evict_reference(
         sink_tokens=sink,
         compress_chunk=chunk,
         max_memory_tokens=2 * num_comp_tokens,
+        keep_window_full=keep_window_full,
     )
     ids = torch.randint(3, VOCAB, (2, length))
     ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
@@ -167,6 +171,7 @@ def test_ten_thousand_generated_tokens_stay_within_160_positions(update):
     assert cache.turn_tokens == 10_005
     assert max(held) <= budget
     assert max(held) >= budget - config.compress_chunk  # it really streams at the budget
+    assert min(held[1000:]) == budget  # keep_window_full (the default): the budget stays full
     per_position = sizes[-1] // cache.kv_length
     assert max(sizes) <= budget * per_position  # nothing grows beyond the budget's tensors
     assert int(cache.steps[0]) >= (10_005 - budget) // config.compress_chunk
@@ -203,14 +208,18 @@ def test_beam_search_on_a_stream():
     assert cache.kv_length <= SMALL.max_kv_length(model.config)
 
 
-def test_a_saved_stream_continues_exactly(tmp_path):
+@pytest.mark.parametrize("keep_window_full", [True, False])
+def test_a_saved_stream_continues_exactly(tmp_path, keep_window_full):
     model = tiny_ccm("llama", num_comp_tokens=2, update="merge")
+    config = replace(SMALL, keep_window_full=keep_window_full)
     ids = torch.randint(3, VOCAB, (2, 40))
-    cache = model.new_cache(2, streaming=SMALL)
+    cache = model.new_cache(2, streaming=config)
     model(input_ids=ids[:, :27], past_key_values=cache)
+    # Saved between compressions: with keep_window_full the window still holds compressed tokens.
+    assert cache.compressed_in_window == (1 if keep_window_full else 0)
     cache.save(tmp_path / "stream.safetensors")
     loaded = type(cache).load(tmp_path / "stream.safetensors", model)
-    assert loaded.streaming == SMALL
+    assert loaded.streaming == config and loaded.compressed_in_window == cache.compressed_in_window
     torch.testing.assert_close(
         model(input_ids=ids[:, 27:], past_key_values=loaded).logits,
         model(input_ids=ids[:, 27:], past_key_values=cache).logits,

@@ -4,9 +4,8 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tiny_models import randomize_adapter, tiny_base
+from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.training import TrainingRecipe, train
 
@@ -21,20 +20,7 @@ def recall_sample(rng: random.Random) -> OnlineSample:
 
 @pytest.mark.parametrize("update", ["concat", "merge"])
 def test_training_learns_to_use_memory(update):
-    torch.manual_seed(0)
-    # initializer_range 0.2 gives the frozen random base logits wide enough to express a confident answer.
-    base = AutoModelForCausalLM.from_config(
-        LlamaConfig(
-            vocab_size=97,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.2,
-            tie_word_embeddings=True,
-        )
-    )
+    base = confident_tiny_llama()
     model = CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=2, update=update, lora_dropout=0.0))
     collate = CCMDataCollator(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -96,6 +96,24 @@ def tiny_llama_for(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrai
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def confident_tiny_llama(seed: int = 0) -> PreTrainedModel:
+    """A tiny random Llama for learning tests: initializer_range 0.2 gives the frozen base logits wide enough to
+    express a confident answer."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+            tie_word_embeddings=True,
+        )
+    )
+
+
 def randomize_adapter(model: CCMForCausalLM, seed: int = 1) -> CCMForCausalLM:
     """Give every LoRA matrix and the <COMP> embeddings random, clearly non-zero values."""
     generator = torch.Generator().manual_seed(seed)

@@ -245,15 +245,18 @@ class StreamingLayer(DynamicLayer):
         chunk: int,
         evicted: int,
         weight: float | None,
+        drop_chunk: bool = True,
     ) -> None:
-        """Replace the oldest `chunk` window tokens by the `<COMP>` keys/values `comp` (computed right after that
-        chunk): appended to memory after evicting its `evicted` oldest slots (concat, `weight=None`), or
-        averaged into it in float32 with coefficient `weight` (merge/EMA)."""
+        """Put the `<COMP>` keys/values `comp` (computed right after the oldest `chunk` window tokens) into memory:
+        appended after evicting its `evicted` oldest slots (concat, `weight=None`), or averaged into it in float32
+        with coefficient `weight` (merge/EMA). The chunk leaves the window, or stays in it with
+        `drop_chunk=False` (it is then evicted as new tokens need room)."""
         sink, memory = self.sink_length, self.memory_length
         comp_keys, comp_values = comp
         comp_start = sink + memory + chunk
+        kept_from = comp_start if drop_chunk else sink + memory
         keys, values = self.keys, self.values
-        rest = keys[:, :, comp_start:], values[:, :, comp_start:]
+        rest = keys[:, :, kept_from:], values[:, :, kept_from:]
         if weight is None:
             key_pieces = [(keys[:, :, sink + evicted : sink + memory], sink + evicted), (comp_keys, comp_start)]
             memory_values = torch.cat([values[:, :, sink + evicted : sink + memory], comp_values], dim=2)
@@ -267,10 +270,10 @@ class StreamingLayer(DynamicLayer):
             self.accumulated = average
             key_pieces = [(average[0].to(keys.dtype), sink)]
             memory_values = average[1].to(values.dtype)
-        self.keys = rotation.relocate(layer_idx, [(keys[:, :, :sink], 0), *key_pieces, (rest[0], comp_start)])
+        self.keys = rotation.relocate(layer_idx, [(keys[:, :, :sink], 0), *key_pieces, (rest[0], kept_from)])
         self.values = torch.cat([values[:, :, :sink], memory_values, rest[1]], dim=2)
         self.memory_length = memory_values.shape[2]
-        self.window_length -= chunk
+        self.window_length -= chunk if drop_chunk else 0
 
     def evict(self, rotation: KeyRotation, layer_idx: int, excess: int) -> None:
         """Drop the oldest `excess` window tokens (StreamingLLM), moving the rest back."""
@@ -335,6 +338,8 @@ class CompressedMemoryCache(Cache):
         self.rows = RowState.empty(batch_size)
         # Tokens fed since the stream or the current generate() began: what generate() must see as processed.
         self.turn_tokens = 0
+        # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
+        self.compressed_in_window = 0
 
     @property
     def config(self) -> CCMConfig:
@@ -650,10 +655,19 @@ class CompressedMemoryCache(Cache):
         if self.streaming is None or not self.streaming.compress:
             return False
         layer = self.layers[0]
-        return (
-            layer.window_length + layer.window_growth(new) > self.streaming.window_tokens
-            and layer.window_length >= self.streaming.compress_chunk
-        )
+        excess = layer.window_length + layer.window_growth(new) - self.streaming.window_tokens
+        uncompressed = layer.window_length - self.compressed_in_window
+        return excess > self.compressed_in_window and uncompressed >= self.streaming.compress_chunk
+
+    def evict_compressed(self) -> None:
+        """Drop the window tokens already compressed (`StreamingConfig.keep_window_full`), so that the next chunk
+        follows the memory; called before a compression, which happens only once they must all leave."""
+        if self.compressed_in_window:
+            rotation = self.rotation
+            assert rotation is not None
+            for index, layer in enumerate(self.layers):
+                layer.evict(rotation, index, self.compressed_in_window)
+            self.compressed_in_window = 0
 
     def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
@@ -681,9 +695,11 @@ class CompressedMemoryCache(Cache):
             evicted, weight = max(0, memory + n - streaming.max_memory_tokens), None
         else:
             evicted, weight = 0, update_coefficient(int(steps[0]), self.config) if memory else 1.0
+        keep = streaming.keep_window_full
         for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
             comp = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
-            layer.fold_chunk(rotation, index, comp, streaming.compress_chunk, evicted, weight)
+            layer.fold_chunk(rotation, index, comp, streaming.compress_chunk, evicted, weight, drop_chunk=not keep)
+        self.compressed_in_window = streaming.compress_chunk if keep else 0
         slots = self.layers[0].memory_length
         self.rows = replace(
             self.rows,
@@ -703,6 +719,7 @@ class CompressedMemoryCache(Cache):
             return
         for index, layer in enumerate(self.layers):
             layer.evict(rotation, index, excess)
+        self.compressed_in_window = max(0, self.compressed_in_window - excess)
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
     def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -794,7 +811,7 @@ class CompressedMemoryCache(Cache):
             state = {name: getattr(layer, name) for name in ("sink_length", "memory_length", "window_length")}
             header["streaming"] = {
                 "config": asdict(self.streaming),
-                "state": {**state, "turn_tokens": self.turn_tokens},
+                "state": {**state, "turn_tokens": self.turn_tokens, "compressed_in_window": self.compressed_in_window},
             }
         # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
         metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
@@ -837,6 +854,7 @@ class CompressedMemoryCache(Cache):
             else:
                 layer.restore(state)
         cache.turn_tokens = content.stream_state.get("turn_tokens", 0)
+        cache.compressed_in_window = content.stream_state.get("compressed_in_window", 0)
         return cache
 
 
@@ -901,14 +919,20 @@ class _MemoryFile:
         if content is None:
             return None, {}
         try:
-            streaming = StreamingConfig(**content["config"])
+            # Files written before StreamingConfig.keep_window_full streamed with the paper's schedule.
+            streaming = StreamingConfig(**{"keep_window_full": False, **content["config"]})
             streaming.validate(self.spec.config, self.spec.max_positions)
             state = {name: content["state"][name] for name in ("sink_length", "window_length", "turn_tokens")}
+            state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
         except (KeyError, TypeError, ValueError) as error:
             raise self._fail(f"its streaming header is wrong ({error!r})") from None
         if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in state.values()):
             raise self._fail(f"its streaming lengths {state} are not integers >= 0")
-        if state["sink_length"] > streaming.sink_tokens or state["window_length"] > streaming.window_tokens:
+        if (
+            state["sink_length"] > streaming.sink_tokens
+            or state["window_length"] > streaming.window_tokens
+            or state["compressed_in_window"] > state["window_length"]
+        ):
             raise self._fail(f"its streaming lengths {state} exceed the sizes {asdict(streaming)}")
         mask = self.tensors.get("memory_mask")
         state["memory_length"] = mask.shape[-1] if mask is not None and mask.ndim == 2 else 0

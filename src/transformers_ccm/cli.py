@@ -33,13 +33,35 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keep-window-full",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="streams (stream-eval, train --supervision stream): a compressed chunk stays in the window until new "
+        "tokens push it out, so the KV budget stays full; --no-keep-window-full drops it at once (the paper)",
+    )
+
+
 def _load_samples(
-    task: str, split: str, count: int, seed: int, tokenizer: PreTrainedTokenizerBase, compress_chunk: int
-) -> list[OnlineSample]:
+    task: str,
+    split: str,
+    count: int,
+    seed: int,
+    tokenizer: PreTrainedTokenizerBase,
+    compress_chunk: int,
+    stream_length: int | None = None,
+) -> list[OnlineSample] | list[list[int]]:
+    """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only)."""
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks import load_jsonl, make_samples
-    from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples
+    from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
 
+    if stream_length is not None and task not in TEXT_TASKS:
+        raise ValueError(
+            f"--supervision stream trains on long text; --task and --eval-task must be one of {list(TEXT_TASKS)}, "
+            f"got {task!r}."
+        )
     if task.endswith(".jsonl") or os.path.exists(task):
         return load_jsonl(task)
     if task in TEXT_TASKS:
@@ -49,6 +71,8 @@ def _load_samples(
             raise ValueError(
                 f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
             )
+        if stream_length is not None:
+            return text_streams(tokenizer, split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
         return stream_samples(
             tokenizer, split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
@@ -61,9 +85,25 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.baseline import full_context_config
     from transformers_ccm.embedded import load_tokenizer
     from transformers_ccm.modeling import CCMForCausalLM
+    from transformers_ccm.stream_training import tokens_before_compression
+    from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.training import TrainingRecipe, train
 
+    for name in ("stream_chunks", "stream_piece"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
     torch.manual_seed(args.seed)
+    streaming = (
+        StreamingConfig(compress_chunk=args.compress_chunk, keep_window_full=args.keep_window_full)
+        if args.supervision == "stream"
+        else None
+    )
+    # Each stream ends `--stream-chunks` compressions after the sink and window fill; one more token is a target.
+    stream_length = (
+        None
+        if streaming is None
+        else tokens_before_compression(streaming) + args.stream_chunks * args.compress_chunk + 1
+    )
     config = CCMConfig(
         num_comp_tokens=args.num_comp_tokens,
         update=args.update,
@@ -94,9 +134,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         save_every=args.eval_every,
         seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing,
-        supervision=args.supervision,
+        supervision="output" if streaming is not None else args.supervision,
         distill_weight=args.distill_weight,
         layout="full_context" if args.method == "full-context" else "ccm",
+        streaming=streaming,
+        stream_piece=args.stream_piece,
     )
     train_samples = _load_samples(
         args.task,
@@ -105,11 +147,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.seed,
         tokenizer,
         args.compress_chunk,
+        stream_length,
     )
     # A JSONL training file has no held-out split of its own.
     eval_task = args.eval_task or (None if os.path.exists(args.task) else args.task)
     eval_samples = (
-        _load_samples(eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk)
+        _load_samples(eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk, stream_length)
         if eval_task
         else None
     )
@@ -273,6 +316,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         sink_tokens=args.sink_tokens,
         compress_chunk=args.compress_chunk,
         max_memory_tokens=args.max_memory_tokens,
+        keep_window_full=args.keep_window_full,
     )
     methods = {f"ccm-{model.config.update}": ccm, "streaming_llm": ccm.same_size_baseline(model.config)}
     results = []
@@ -454,9 +498,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--supervision",
-        choices=["output", "dense"],
+        choices=["output", "dense", "stream"],
         default="output",
-        help="loss on the outputs only (the paper), or also on every later context given the memory before it",
+        help="loss on the outputs only (the paper), or also on every later context given the memory before it, or "
+        "(text tasks) on every token of streams run through a streaming cache as `ccm stream-eval` runs them",
+    )
+    _add_keep_window_full(train)
+    train.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=8,
+        help="--supervision stream: compressions per sample after its sink and window fill (its length)",
+    )
+    train.add_argument(
+        "--stream-piece",
+        type=int,
+        default=16,
+        help="--supervision stream: tokens fed per forward, as `ccm stream-eval --piece` feeds them",
     )
     train.add_argument(
         "--distill-weight",
@@ -502,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--sink-tokens", type=int, default=4)
     stream.add_argument("--compress-chunk", type=int, default=32)
     stream.add_argument("--max-memory-tokens", type=int, default=8)
+    _add_keep_window_full(stream)
     stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
     stream.add_argument("--output-dir", default="docs/results/streaming")
     stream.set_defaults(handler=cmd_stream_eval)

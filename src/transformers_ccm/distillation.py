@@ -52,9 +52,12 @@ def distillation_loss(
     with torch.no_grad(), model.adapter_disabled():
         teacher_logits = model.base_model(input_ids=teacher_ids).logits
     rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(supervised)
-    teacher = teacher_logits[rows[supervised], index[:, columns][supervised]].float() / temperature
-    student = student_logits[supervised].float() / temperature
-    kl = F.kl_div(
-        F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean"
-    )
-    return kl * temperature**2
+    teacher = teacher_logits[rows[supervised], index[:, columns][supervised]]
+    return kl_to_teacher(student_logits[supervised], teacher, temperature)
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean KL(teacher || student) over positions `(positions, vocab)`, scaled by `temperature**2`."""
+    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2

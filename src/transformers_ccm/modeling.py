@@ -449,6 +449,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def _make_room(self, cache: CompressedMemoryCache, new: int) -> None:
         """Compress (or, for StreamingLLM, evict) the oldest window tokens of a stream until `new` more fit."""
         while cache.needs_compression(new):
+            cache.evict_compressed()
             prefix, position_ids, mask = cache.compression_prefix()
             batch, n = position_ids.shape
             comp = self.comp_embeddings[None].expand(batch, n, -1).to(self.dtype)

@@ -31,6 +31,10 @@ class StreamingConfig:
         max_memory_tokens: cap on concat memory, whose oldest slots are evicted first (paper: 8). Merge and
             EMA memory always holds `num_comp_tokens` slots.
         compress: False drops the overflowing tokens instead (the StreamingLLM baseline; no `<COMP>` runs).
+        keep_window_full: compress the oldest chunk when its first token must leave the window, but evict its
+            tokens only as new ones need room, so the window stays at `window_tokens` (the budget stays full) and
+            a chunk stays visible next to its memory slots until it slides out. False: the chunk leaves the
+            window when compressed (the paper), which empties the window by `compress_chunk` tokens each time.
     """
 
     window_tokens: int = 148
@@ -38,6 +42,7 @@ class StreamingConfig:
     compress_chunk: int = 32
     max_memory_tokens: int = 8
     compress: bool = True
+    keep_window_full: bool = True
 
     def memory_slots(self, ccm_config: CCMConfig) -> int:
         """Memory slots held once the memory is full."""

@@ -18,14 +18,19 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers_ccm.data import IGNORE_INDEX, CCMDataCollator, Layout, OnlineSample, Supervision
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.stream_training import StreamCollator, stream_loss
+from transformers_ccm.streaming import StreamingConfig
 
 
 class CCMTrainer(Trainer):
     """A `Trainer` whose checkpoints hold the adapter files, never the base weights; its loss adds
-    `distill_weight` times the self-distillation loss (see `distillation.py`) when that is positive."""
+    `distill_weight` times the self-distillation loss (see `distillation.py`) when that is positive. With
+    `streaming` set, batches are streams and the loss is `stream_training.stream_loss`."""
 
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
+    streaming: StreamingConfig | None = None
+    stream_piece: int = 16
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
@@ -41,6 +46,17 @@ class CCMTrainer(Trainer):
     ) -> Any:
         """The model's loss, with the LM head run only where a label is predicted (training needs no other
         logits)."""
+        if self.streaming is not None:
+            loss = stream_loss(
+                self.accelerator.unwrap_model(model),
+                inputs,
+                self.streaming,
+                self.stream_piece,
+                self.distill_weight if model.training else 0.0,
+                self.distill_temperature,
+                num_items_in_batch,
+            )
+            return (loss, {"loss": loss}) if return_outputs else loss
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss
         if self.distill_weight and model.training:
@@ -75,6 +91,11 @@ class TrainingRecipe:
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
     layout: Layout = "ccm"
+    # Set: train on streams (token-id sequences of one length) through a streaming cache of these sizes, as
+    # `stream_training` describes, fed `stream_piece` tokens per forward; `supervision` and `layout` then do not
+    # apply.
+    streaming: StreamingConfig | None = None
+    stream_piece: int = 16
     # None: 128 on a GPU (the block size of the compiled block-sparse attention, which then compiles for a few
     # lengths only), no extra padding on CPU.
     pad_to_multiple_of: int | None = None
@@ -83,8 +104,8 @@ class TrainingRecipe:
 def train(
     model: CCMForCausalLM,
     tokenizer: PreTrainedTokenizerBase | None,
-    train_samples: Sequence[OnlineSample],
-    eval_samples: Sequence[OnlineSample] | None,
+    train_samples: Sequence[OnlineSample] | Sequence[Sequence[int]],
+    eval_samples: Sequence[OnlineSample] | Sequence[Sequence[int]] | None,
     output_dir: str | os.PathLike[str],
     recipe: TrainingRecipe | None = None,
     resume: bool = False,
@@ -94,7 +115,8 @@ def train(
     Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues
     from the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every
     process trains the same adapter and only the main process writes files. `tokenizer` is needed for samples
-    given as text (and gives the padding id); None for token ids.
+    given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are streams:
+    token-id sequences of one length.
     """
     _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
@@ -103,6 +125,22 @@ def train(
             "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
             "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
             f"(got conditional_lora={model.config.conditional_lora}, distill_weight={recipe.distill_weight})."
+        )
+    if recipe.streaming is not None and (recipe.layout != "ccm" or not model.config.conditional_lora):
+        raise ValueError(
+            "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
+            "full-context baseline has no memory to stream."
+        )
+    if recipe.streaming is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "Training on streams runs in one process: each step runs many forwards through one cache before its "
+            "backward, which DDP's gradient synchronisation does not follow. Launch it without accelerate/torchrun "
+            "(one GPU), or train the parallel layout (--supervision dense) on several."
+        )
+    if recipe.streaming is not None and recipe.gradient_checkpointing:
+        raise ValueError(
+            "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
+            "which checkpointed layers do not fill. Train without it, or with shorter streams."
         )
     on_gpu = torch.cuda.is_available()
     if recipe.gradient_checkpointing:
@@ -139,7 +177,9 @@ def train(
         args=args,
         train_dataset=list(train_samples),
         eval_dataset=list(eval_samples) if eval_samples else None,
-        data_collator=CCMDataCollator(
+        data_collator=StreamCollator(recipe.streaming)
+        if recipe.streaming is not None
+        else CCMDataCollator(
             model,
             tokenizer=tokenizer,
             pad_token_id=pad,
@@ -149,6 +189,7 @@ def train(
         ),
     )
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
+    trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
         model.save_pretrained(output_dir)

@@ -85,6 +85,23 @@ def long_text(split: Split, sources: Sequence[str] = ("reference",)) -> str:
     return "\n\n".join(text for source in sources for text in _SOURCES[source](split))
 
 
+def text_streams(
+    tokenizer: Tokenizer,
+    split: Split,
+    count: int,
+    length: int,
+    seed: int = 0,
+    sources: Sequence[str] = ("reference",),
+) -> list[list[int]]:
+    """`count` stretches of `length` consecutive tokens of `long_text(split, sources)`, at random offsets: samples
+    for training on the stream itself (`transformers_ccm.stream_training`)."""
+    ids = tokenizer(long_text(split, sources), add_special_tokens=False)["input_ids"]
+    if length > len(ids):
+        raise ValueError(f"The {split} text has {len(ids)} tokens, fewer than a stream of {length}.")
+    rng = random.Random(f"text-stream:{split}:{seed}")
+    return [ids[start : start + length] for start in (rng.randrange(len(ids) - length + 1) for _ in range(count))]
+
+
 def stream_samples(
     tokenizer: Tokenizer,
     split: Split,

@@ -1,0 +1,82 @@
+"""Training on the stream itself: each sample runs through a streaming cache exactly as `ccm stream-eval` runs it.
+
+The parallel layout (`CCMDataCollator`) compresses each chunk seeing only the memory before it, with no sink
+tokens and positions that never move. A stream differs on all three: it holds `[sink | memory | window]`
+at positions reassigned at every step, and a chunk's keys were computed while it sat in a full window. Here a
+sample, a stretch of text, fills the sink and window without gradients, then goes on in pieces of `piece`
+tokens (as `ccm stream-eval --piece` feeds them), compressing whenever the window must make room. Gradients
+flow through every compression of the stretch (the memory the last piece reads depends on all of them) into
+the `<COMP>` embeddings and the LoRA. The loss is next-token NLL on every token after the first compression,
+and optionally KL to the base model reading the whole stretch as plain text (the teacher that forgets nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.distillation import kl_to_teacher
+from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.streaming import StreamingConfig
+
+
+def tokens_before_compression(streaming: StreamingConfig) -> int:
+    """Tokens a fresh stream takes before its first compression (the sink and a full window)."""
+    return streaming.sink_tokens + streaming.window_tokens
+
+
+class StreamCollator:
+    """Stacks streams of one length into `input_ids` and `labels` `(batch, length)`; labels are -100 up to and
+    including the first token after the sink and window fill, whose prediction no memory has yet touched."""
+
+    def __init__(self, streaming: StreamingConfig) -> None:
+        self.streaming = streaming
+
+    def __call__(self, streams: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        lengths = {len(stream) for stream in streams}
+        if len(lengths) != 1:
+            raise ValueError(f"Stream samples must all have one length, got lengths {sorted(lengths)}.")
+        length, warm = lengths.pop(), tokens_before_compression(self.streaming)
+        if length < warm + 2:
+            raise ValueError(
+                f"Stream samples of {length} tokens never compress: the sink and window take {warm}; give samples of "
+                f"at least {warm + 2} tokens (a few chunks of {self.streaming.compress_chunk} more teach the memory)."
+            )
+        input_ids = torch.tensor([list(stream) for stream in streams], dtype=torch.long)
+        labels = input_ids.clone()
+        labels[:, : warm + 1] = IGNORE_INDEX
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def stream_loss(
+    model: CCMForCausalLM,
+    batch: dict[str, torch.Tensor],
+    streaming: StreamingConfig,
+    piece: int = 16,
+    distill_weight: float = 0.0,
+    temperature: float = 1.0,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """NLL (summed over `num_items_in_batch` labels when given, else the mean) of every labelled token of a
+    `StreamCollator` batch, streamed through a fresh cache `piece` tokens per forward after the sink and window
+    fill, plus `distill_weight` times KL(base model over the whole stretch || streamed model) at the same
+    positions."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    warm = tokens_before_compression(streaming)
+    cache = model.new_cache(input_ids.shape[0], streaming=streaming)
+    with torch.no_grad():  # nothing of the adapter runs before the first compression
+        model(input_ids=input_ids[:, :warm], past_key_values=cache, logits_to_keep=1)
+    pieces = input_ids[:, warm:-1].split(piece, dim=1)
+    logits = torch.cat([model(input_ids=piece, past_key_values=cache).logits for piece in pieces], dim=1).float()
+    targets = labels[:, warm + 1 :]
+    nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())
+    if distill_weight:
+        with torch.no_grad(), model.adapter_disabled():
+            teacher = model.base_model(input_ids=input_ids).logits[:, warm:-1]
+        supervised = targets != IGNORE_INDEX
+        loss = loss + distill_weight * kl_to_teacher(logits[supervised], teacher[supervised], temperature)
+    return loss

@@ -1,0 +1,156 @@
+"""Training on streams: the loss is the streamed perplexity `ccm stream-eval` measures, gradients reach the
+adapter through every compression, and a tiny model learns to carry a token past the window in memory."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_ccm
+from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
+from transformers_ccm.baseline import full_context_config
+from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.stream_evaluation import stream_nll
+from transformers_ccm.stream_training import StreamCollator, stream_loss, tokens_before_compression
+from transformers_ccm.training import TrainingRecipe, train
+
+SMALL = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+
+
+def test_the_collator_labels_only_tokens_predicted_after_the_first_compression():
+    streams = [list(range(3, 3 + 19)), list(range(20, 20 + 19))]
+    batch = StreamCollator(SMALL)(streams)
+    assert batch["input_ids"].tolist() == streams
+    warm = tokens_before_compression(SMALL)
+    assert warm == 10
+    assert (batch["labels"][:, : warm + 1] == IGNORE_INDEX).all()
+    assert torch.equal(batch["labels"][:, warm + 1 :], batch["input_ids"][:, warm + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("streams", "message"),
+    [
+        ([[5] * 19, [5] * 18], "one length, got lengths [18, 19]"),
+        ([[5] * 11], "never compress: the sink and window take 10; give samples of at least 12 tokens"),
+    ],
+)
+def test_the_collator_refuses_streams_it_cannot_train_on(streams, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        StreamCollator(SMALL)(streams)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    architecture=st.sampled_from(["llama", "qwen2", "gemma2", "gpt-neox"]),
+    update=st.sampled_from(["concat", "merge"]),
+    chunk=st.integers(2, 5),
+    piece=st.integers(1, 6),
+    sink=st.integers(0, 3),
+    extra=st.integers(0, 1),
+    pieces=st.integers(1, 8),
+    keep_window_full=st.booleans(),
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_loss_is_the_streamed_perplexity_of_stream_eval(
+    architecture, update, chunk, piece, sink, extra, pieces, keep_window_full, batch, seed
+):
+    # Sink and window fill in whole pieces, so the evaluation's pieces from token 0 are training's after them; the
+    # window takes a chunk and a piece at once (`max_forward_tokens`).
+    fill = (-(-(chunk + piece - 1 + sink) // piece) + extra) * piece
+    streaming = StreamingConfig(
+        window_tokens=fill - sink,
+        sink_tokens=sink,
+        compress_chunk=chunk,
+        max_memory_tokens=4,
+        keep_window_full=keep_window_full,
+    )
+    model = tiny_ccm(architecture, update=update)
+    warm = tokens_before_compression(streaming)
+    ids = torch.randint(3, VOCAB, (batch, warm + pieces * piece + 1), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        loss = stream_loss(model, StreamCollator(streaming)(ids.tolist()), streaming, piece=piece)
+    expected = [stream_nll(model, row, streaming, piece=piece).token_nll[warm:] for row in ids]
+    assert loss.item() == pytest.approx(sum(map(sum, expected)) / sum(map(len, expected)), rel=1e-4)
+
+
+def test_gradients_reach_the_adapter_through_the_memory():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))).train()
+    ids = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(0))
+    batch = StreamCollator(SMALL)(ids.tolist())
+    # Only the last piece is labelled: the adapter reaches it through the memory alone (it never runs on tokens).
+    batch["labels"][:, :-4] = IGNORE_INDEX
+    stream_loss(model, batch, SMALL, piece=4).backward()
+    assert model.comp_embeddings.grad is not None and model.comp_embeddings.grad.abs().sum() > 0
+    # Every layer's <COMP> keys and values are read; the last layer's <COMP> queries feed nothing.
+    read = [
+        p.grad for name, p in model.named_parameters() if "lora_B" in name and ("k_proj" in name or "v_proj" in name)
+    ]
+    assert len(read) == 4 and all(grad is not None and grad.abs().sum() > 0 for grad in read)
+
+
+def test_distillation_adds_the_kl_to_the_base_model_over_the_whole_stretch():
+    model = tiny_ccm("llama")
+    batch = StreamCollator(SMALL)(torch.randint(3, VOCAB, (2, 19)).tolist())
+    with torch.no_grad():
+        plain, distilled = stream_loss(model, batch, SMALL), stream_loss(model, batch, SMALL, distill_weight=1.0)
+    assert distilled > plain
+
+
+QUERY, KEYS, FILLER = 5, range(10, 30), list(range(60, 67))
+
+
+def key_stream(rng: random.Random) -> list[int]:
+    """Sink, a key and filler that fill the window, then QUERY, which pushes the key's chunk into memory, and the
+    key again: the one labelled token, known only from memory."""
+    key = rng.choice(KEYS)
+    return [1, 1, key, *FILLER, QUERY, key]
+
+
+def test_training_on_streams_learns_to_carry_a_token_past_the_window(tmp_path):
+    base = confident_tiny_llama()
+    model = CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=2, lora_dropout=0.0))
+    held_out = StreamCollator(SMALL)([key_stream(random.Random(10_000 + i)) for i in range(64)])
+
+    def key_loss() -> float:
+        with torch.no_grad():
+            return stream_loss(model.eval(), held_out, SMALL).item()
+
+    before = key_loss()
+    rng = random.Random(0)
+    recipe = TrainingRecipe(
+        steps=200, batch_size=32, learning_rate=1e-2, save_every=200, streaming=SMALL, stream_piece=1
+    )
+    train(model, None, [key_stream(rng) for _ in range(200 * 32)], None, tmp_path / "out", recipe)
+    after = key_loss()
+    assert after < 0.3 * before, (before, after)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("full_context", "checkpointing", "message"),
+    [(True, False, "needs a compression adapter"), (False, True, "Gradient checkpointing does not apply")],
+)
+def test_train_refuses_streams_it_cannot_train(tmp_path, full_context, checkpointing, message):
+    config = full_context_config(CCMConfig()) if full_context else CCMConfig()
+    model = CCMForCausalLM.from_base(tiny_base("llama"), config)
+    recipe = TrainingRecipe(
+        steps=1,
+        batch_size=1,
+        streaming=SMALL,
+        layout="full_context" if full_context else "ccm",
+        gradient_checkpointing=checkpointing,
+    )
+    with pytest.raises(ValueError, match=message):
+        train(model, None, [[5] * 19], None, tmp_path / "out", recipe)
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_refuses_streams_under_a_distributed_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    with pytest.raises(ValueError, match="Training on streams runs in one process"):
+        train(model, None, [[5] * 19], None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=1, streaming=SMALL))
+    assert not (tmp_path / "out").exists()
