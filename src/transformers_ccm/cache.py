@@ -663,11 +663,7 @@ class CompressedMemoryCache(Cache):
         """Drop the window tokens already compressed (`StreamingConfig.keep_window_full`), so that the next chunk
         follows the memory; called before a compression, which happens only once they must all leave."""
         if self.compressed_in_window:
-            rotation = self.rotation
-            assert rotation is not None
-            for index, layer in enumerate(self.layers):
-                layer.evict(rotation, index, self.compressed_in_window)
-            self.compressed_in_window = 0
+            self._drop_oldest(self.compressed_in_window)
 
     def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
@@ -711,15 +707,18 @@ class CompressedMemoryCache(Cache):
         """Drop the oldest window tokens so that `new` more fit (StreamingLLM), moving the rest back."""
         if self.streaming is None:
             return
-        rotation = self.rotation
-        assert rotation is not None
         layer = self.layers[0]
         excess = layer.window_length + layer.window_growth(new) - self.streaming.window_tokens
-        if excess <= 0:
-            return
+        if excess > 0:
+            self._drop_oldest(excess)
+
+    def _drop_oldest(self, count: int) -> None:
+        """Drop the `count` oldest window tokens of every layer, compressed ones first."""
+        rotation = self.rotation
+        assert rotation is not None
         for index, layer in enumerate(self.layers):
-            layer.evict(rotation, index, excess)
-        self.compressed_in_window = max(0, self.compressed_in_window - excess)
+            layer.evict(rotation, index, count)
+        self.compressed_in_window = max(0, self.compressed_in_window - count)
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
     def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -70,7 +70,7 @@ def stream_loss(
     with torch.no_grad():  # nothing of the adapter runs before the first compression
         model(input_ids=input_ids[:, :warm], past_key_values=cache, logits_to_keep=1)
     pieces = input_ids[:, warm:-1].split(piece, dim=1)
-    logits = torch.cat([model(input_ids=piece, past_key_values=cache).logits for piece in pieces], dim=1).float()
+    logits = torch.cat([model(input_ids=tokens, past_key_values=cache).logits for tokens in pieces], dim=1).float()
     targets = labels[:, warm + 1 :]
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())

@@ -25,9 +25,9 @@ class StreamingConfig:
     Args:
         window_tokens: most recent tokens kept as they are (paper: 148 with 4 sink and 8 memory slots).
         sink_tokens: first tokens of the stream kept forever (attention sinks; paper and StreamingLLM: 4).
-        compress_chunk: tokens compressed at once when the window overflows, into the adapter's
-            `num_comp_tokens` slots (paper: 2). 32 keeps at least 116 of the 148 window positions filled (the
-            paper's 64 leaves 84 after each compression); the shipped stream adapter is trained for 32.
+        compress_chunk: tokens compressed at once, into the adapter's `num_comp_tokens` slots (paper: 64 into
+            2); the shipped stream adapter is trained for 32. With `keep_window_full=False` a compression
+            empties the window by this many tokens (the paper's 64 leave 84 of 148).
         max_memory_tokens: cap on concat memory, whose oldest slots are evicted first (paper: 8). Merge and
             EMA memory always holds `num_comp_tokens` slots.
         compress: False drops the overflowing tokens instead (the StreamingLLM baseline; no `<COMP>` runs).
