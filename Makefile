@@ -3,7 +3,7 @@
 # then this package with its application and test extras.
 PYTHON ?= python3
 
-.PHONY: install demo test adapters results stream-adapter stream-results bench
+.PHONY: install demo test adapters full-context-baseline results stream-adapter stream-results bench
 
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check torch==2.13.0
@@ -17,13 +17,14 @@ test: install
 	$(PYTHON) -m ruff check src tests examples benchmarks
 	$(PYTHON) -m pytest
 
-# Slow, on the real model (2 CPU cores): train the shipped adapters into the package (keeping the adapter
-# files, not the checkpoints). Merge: 200 steps of 8 on the mixture with output supervision (about 40
-# minutes). Concat: the same first stage; 60 more steps of 8 continuing it with self-distillation from full
-# context on the mixture of many wordings (about 30 minutes); then 120 steps of 8 on a mixture weighted toward
-# ICL, with distillation (about an hour). The second stage made merge worse on ICL (docs/results.md), so merge
-# ships after stage 1. On a GPU, see docs/training.md.
+# Slow, on the real model (2 CPU cores): train the shipped adapters under out/ and copy their adapter files into
+# the package (its model cards are written by hand, so training never overwrites them). Merge: 200 steps of 8 on
+# the mixture with output supervision (about 40 minutes). Concat: the same first stage; 60 more steps of 8
+# continuing it with self-distillation from full context on the mixture of many wordings (about 30 minutes);
+# then 120 steps of 8 on a mixture weighted toward ICL, with distillation (about an hour). The second stage made
+# merge worse on ICL (docs/results.md), so merge ships after stage 1. On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
+ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
 
 adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update concat --num-comp-tokens 1 \
@@ -33,20 +34,36 @@ adapters: install
 		--output-dir out/stage2-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-concat \
 		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
-		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir $(SHIPPED)/smollm2-concat
+		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stage3-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
-		--steps 200 --batch-size 8 --output-dir $(SHIPPED)/smollm2-merge
-	rm -rf $(SHIPPED)/*/checkpoint-*
+		--steps 200 --batch-size 8 --output-dir out/stage1-merge
+	cd out/stage3-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage1-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
-# About 40 minutes on 2 CPU cores: the largest time step, 96 samples per wording set for ICL and 48 for
-# personalization and dialogue (the full default, every time step at 200 samples, takes hours on a CPU).
+# The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
+# adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history
+# as its prompt (no distillation: its teacher would be itself).
+full-context-baseline: install
+	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --task mixture --steps 200 \
+		--batch-size 8 --output-dir out/fc/stage1
+	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --init-adapter out/fc/stage1 \
+		--task mixture --learning-rate 5e-4 --steps 60 --batch-size 8 --output-dir out/fc/stage2
+	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --init-adapter out/fc/stage2 \
+		--task "icl:4,personalization:2,dialogue:1" --learning-rate 5e-4 --steps 120 --batch-size 8 \
+		--eval-every 40 --eval-samples 16 --output-dir out/fc/stage3
+	mkdir -p $(SHIPPED)/smollm2-full-context
+	cd out/fc/stage3 && cp $(ADAPTER_FILES) ../../../$(SHIPPED)/smollm2-full-context/
+
+# About an hour on 2 CPU cores: the largest time step, 96 samples per wording set for ICL and personalization,
+# 48 for dialogue, against the base model and the fine-tuned full-context baseline (the full default, every
+# time step at 200 samples, takes hours on a CPU).
+EVAL = $(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge \
+	--full-context-adapter ccm:smollm2-full-context
+
 results: install
-	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks icl \
-		--steps 16 --samples 96 --output-dir docs/results/icl-t16
-	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks personalization \
-		--steps 16 --samples 48 --output-dir docs/results/personalization-t16
-	$(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge --tasks dialogue \
-		--steps 12 --samples 48 --output-dir docs/results/dialogue-t12
+	$(EVAL) --tasks icl --steps 16 --samples 96 --output-dir docs/results/icl-t16
+	$(EVAL) --tasks personalization --steps 16 --samples 96 --output-dir docs/results/personalization-t16
+	$(EVAL) --tasks dialogue --steps 12 --samples 48 --output-dir docs/results/dialogue-t12
 
 # Streaming (about 55 + 65 + 55 minutes on 2 CPU cores, then about 10): the shipped streaming adapter, trained
 # on the training split of the Python reference, continued on varied text (the reference and the standard
@@ -62,8 +79,8 @@ stream-adapter: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task text-varied --compress-chunk 32 \
 		--init-adapter out/stream-stage2 --supervision stream --stream-chunks 8 --stream-piece 16 \
 		--distill-weight 1 --learning-rate 5e-4 --steps 60 --batch-size 8 --eval-every 20 --eval-samples 16 \
-		--output-dir $(SHIPPED)/smollm2-stream
-	rm -rf $(SHIPPED)/smollm2-stream/checkpoint-*
+		--output-dir out/stream-stage3
+	cd out/stream-stage3 && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-stream/
 
 stream-results: install
 	$(PYTHON) -m transformers_ccm.cli stream-eval --adapter ccm:smollm2-stream --output-dir docs/results/streaming

@@ -55,18 +55,25 @@ def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
 
 
 @pytest.mark.parametrize("conditional_lora", [True, False])
-def test_full_context_chat_is_the_base_model_reading_the_whole_conversation(tokenizer, conditional_lora):
-    """Its replies are the base model's (the adapter off, even an unconditional LoRA) greedy replies to the
-    whole conversation written with the chat template, and the history grows by every exchange."""
+def test_full_context_chat_reads_the_whole_conversation(tokenizer, conditional_lora):
+    """Its replies are the greedy replies to the whole conversation written with the chat template: the base
+    model's for a compression adapter, the LoRA model's for one at every position (the fine-tuned full-context
+    baseline); the history grows by every exchange."""
     base = tiny_llama_for(tokenizer)
     model = randomize_adapter(
         CCMForCausalLM.from_base(copy.deepcopy(base), CCMConfig(conditional_lora=conditional_lora))
     )
+    prompt = torch.tensor([FullContextChat(model, tokenizer).prompt_ids("Hi")])
+    with torch.no_grad(), model.reading_plain_prompt():
+        lora_acts = not torch.equal(model.base_model(prompt).logits, base(prompt).logits)
+    assert lora_acts != conditional_lora
     chat = FullContextChat(model, tokenizer, max_new_tokens=5)
     history: list[int] = []
     for message in ("Hi! I'm Maria.", "What is my name?"):
         history += chat.prompt_ids(message)
-        expected = base.generate(torch.tensor([history]), max_new_tokens=5, do_sample=False)[0, len(history) :]
+        with model.reading_plain_prompt():
+            expected = model.base_model.generate(torch.tensor([history]), max_new_tokens=5, do_sample=False)
+        expected = expected[0, len(history) :]
         reply_ids = expected.tolist()
         end = chat._end_of_turn
         reply_ids = reply_ids[: reply_ids.index(end)] if end in reply_ids else reply_ids

@@ -284,7 +284,15 @@ def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     assert config["trained_on"] == "fine-tuned full-context baseline on transformers-ccm built-in task 'mixture'"
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", tiny_model, "--adapters", str(tmp_path / "full"), "--tasks", "icl", "--samples", "2"])
-    assert exit_info.value.code == 2 and "hold a fine-tuned full-context baseline" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "pass it as --full-context-adapter" in capsys.readouterr().err
+    demo = ["demo", "--model", tiny_model, "--adapter", str(tmp_path / "full"), "--turns", "1", "--max-new-tokens", "2"]
+    main([*demo, "--full-context"])
+    assert "with its LoRA, with the whole conversation" in capsys.readouterr().out
+    for refused, fix in ((demo, "run it with --full-context"), (["chat", *demo[1:5]], "chat with a compression")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(refused)
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "fine-tuned full-context baseline" in error and fix in error
 
 
 def test_device_auto_picks_a_gpu_only_when_there_is_one():

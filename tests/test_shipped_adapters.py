@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from transformers_ccm import CCMForCausalLM, StreamingConfig
+from transformers_ccm.baseline import is_full_context_baseline
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import EMBEDDED_MODEL_ID, load_tokenizer
 from transformers_ccm.hub import read_adapter, resolve_adapter, shipped_adapters
@@ -13,6 +14,7 @@ EXPECTED = {
     "ccm:smollm2-concat": ("concat", 1, "mixture"),
     "ccm:smollm2-merge": ("merge", 2, "mixture"),
     "ccm:smollm2-stream": ("concat", 2, "'text'"),
+    "ccm:smollm2-full-context": ("concat", 2, "fine-tuned full-context baseline on"),  # <COMP> unused
 }
 
 
@@ -29,6 +31,7 @@ def test_shipped_config_matches(name, expected):
     assert config.base_model_shape["model_type"] == "llama" and config.base_model_shape["num_hidden_layers"] == 30
     assert trained_on in config.trained_on
     assert tensors["ccm.comp_embeddings"].shape == (num_comp_tokens, 576)
+    assert is_full_context_baseline(config) == (name == "ccm:smollm2-full-context") != config.conditional_lora
 
 
 def test_unknown_short_name():

@@ -152,8 +152,9 @@ class ChatSession(_Conversation):
 
 
 class FullContextChat(_Conversation):
-    """The same conversation through the base model alone (adapter off) with the whole history as its prompt:
-    what compressed memory is compared against. Its KV grows with every token."""
+    """The same conversation with the whole history as its prompt: what compressed memory is compared against.
+    The base model alone for a compression adapter; with its LoRA for the fine-tuned full-context baseline
+    (`CCMForCausalLM.reading_plain_prompt`). Its KV grows with every token."""
 
     def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 96) -> None:
         super().__init__(model, tokenizer, max_new_tokens)
@@ -166,7 +167,7 @@ class FullContextChat(_Conversation):
     def turn(self, message: str) -> str:
         """Answer `message` from the whole conversation so far and keep the exchange in it."""
         prompt = self.history + self.prompt_ids(message)
-        with self.model.adapter_disabled():
+        with self.model.reading_plain_prompt():
             generated, reply_ids, closing = self._reply(prompt, self.model.base_model, None)
         self.history = prompt + generated + closing
         return self._text(reply_ids)

@@ -208,10 +208,21 @@ def _load_ccm(adapter: str, model_name: str, device: str = "auto") -> tuple[CCMF
     return model, load_tokenizer(resolve_name(base or config.base_model_name_or_path))
 
 
+def _refuse_baselines(models: dict[str, CCMForCausalLM], fix: str) -> None:
+    """Raise if any of `models` (by adapter name) is a fine-tuned full-context baseline, where memory is needed."""
+    from transformers_ccm.baseline import is_full_context_baseline
+
+    baselines = [adapter for adapter, model in models.items() if is_full_context_baseline(model.config)]
+    if baselines:
+        raise ValueError(
+            f"{baselines} hold a fine-tuned full-context baseline, which reads the history as a prompt and keeps no "
+            f"compressed memory; {fix}."
+        )
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from transformers_ccm.baseline import is_full_context_baseline
     from transformers_ccm.evaluation import (
         FINETUNED,
         gain_text,
@@ -226,12 +237,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
-    baselines = [adapter for adapter, model, _ in loaded if is_full_context_baseline(model.config)]
-    if baselines:
-        raise ValueError(
-            f"{baselines} hold a fine-tuned full-context baseline, which reads the history as a prompt and has no "
-            "memory to evaluate here; score it with transformers_ccm.baseline.as_plain_prompt (see docs/training.md)."
-        )
+    _refuse_baselines(
+        {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
+    )
     rules = [model.config.update for _, model, _ in loaded]
     # Adapters are named by their update rule, and by the adapter too where two share a rule.
     models = {
@@ -358,7 +366,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     if args.memory_file:
         _check_writable(args.memory_file)
-    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model, args.device)
+    adapter = args.adapter or f"ccm:smollm2-{args.update}"
+    model, tokenizer = _load_ccm(adapter, args.model, args.device)
+    _refuse_baselines({adapter: model}, "chat with a compression adapter")
     cache = None
     if args.memory_file and os.path.exists(args.memory_file):
         cache = CompressedMemoryCache.load(args.memory_file, model)
@@ -430,15 +440,18 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     from transformers_ccm.chat import ChatSession, FullContextChat
 
-    model, tokenizer = _load_ccm(args.adapter or f"ccm:smollm2-{args.update}", args.model, args.device)
+    adapter = args.adapter or f"ccm:smollm2-{args.update}"
+    model, tokenizer = _load_ccm(adapter, args.model, args.device)
     script = demo_script(**DEMO_FACTS)[: args.turns]
     if args.full_context:
-        print(f"{model.config.base_model_name_or_path} alone, with the whole conversation as its prompt:\n")
+        reader = "with its LoRA" if not model.config.conditional_lora else "alone"
+        print(f"{model.config.base_model_name_or_path} {reader}, with the whole conversation as its prompt:\n")
         baseline = FullContextChat(model, tokenizer, max_new_tokens=args.max_new_tokens)
         for message in script:
             reply = baseline.turn(message)
             print(f"you: {message}\nassistant: {reply}\n  [full context: {baseline.history_tokens} tokens]")
         return
+    _refuse_baselines({adapter: model}, "run it with --full-context, or give a compression adapter")
     print(
         f"CCM-{model.config.update} on {model.config.base_model_name_or_path}: every turn is folded into "
         f"{model.config.num_comp_tokens} memory slot(s) per layer; the turns themselves are not kept.\n"
@@ -582,8 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--full-context",
                 action="store_true",
-                help="run the script through the base model alone with the whole conversation as its prompt (what "
-                "compression is compared against)",
+                help="run the script with the whole conversation as its prompt (what compression is compared "
+                "against): the base model alone, or with the LoRA of a fine-tuned full-context baseline --adapter",
             )
         sub.set_defaults(handler=handler)
     return parser

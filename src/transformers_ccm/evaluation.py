@@ -9,7 +9,6 @@ their samples, so one resample of samples re-scores all of them).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -181,8 +180,7 @@ def score_samples(
                     logits_to_keep=keep,
                 ).logits
             else:
-                plain = model.adapter_disabled() if model.config.conditional_lora else contextlib.nullcontext()
-                with plain:
+                with model.reading_plain_prompt():
                     logits = model.base_model(
                         input_ids=ids.to(model.device), attention_mask=mask.to(model.device), logits_to_keep=keep
                     ).logits

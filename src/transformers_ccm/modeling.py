@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -138,6 +138,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def adapter_disabled(self) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere)."""
         return self._gate.suppressed()
+
+    def reading_plain_prompt(self) -> AbstractContextManager[None]:
+        """Within the context, `base_model` reads a plain prompt (no `<COMP>` tokens) as this adapter would: a
+        compression adapter is off (exactly the base model), a LoRA at every position (`conditional_lora=False`,
+        e.g. the fine-tuned full-context baseline) stays on."""
+        return self.adapter_disabled() if self.config.conditional_lora else nullcontext()
 
     def forward(
         self,
