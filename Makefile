@@ -21,8 +21,10 @@ test: install
 # the package (its model cards are written by hand, so training never overwrites them). Merge: 200 steps of 8 on
 # the mixture with output supervision (about 40 minutes). Concat: the same first stage; 60 more steps of 8
 # continuing it with self-distillation from full context on the mixture of many wordings (about 30 minutes);
-# then 120 steps of 8 on a mixture weighted toward ICL, with distillation (about an hour). The second stage made
-# merge worse on ICL (docs/results.md), so merge ships after stage 1. On a GPU, see docs/training.md.
+# then 120 steps of 8 on a mixture weighted toward ICL, with distillation (about an hour); then 200 steps of 8
+# distilled from the fine-tuned full-context baseline (`make full-context-baseline`, shipped as
+# ccm:smollm2-full-context; about 65 minutes). The second stage made merge worse on ICL (docs/results.md), so
+# merge ships after stage 1. On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
 ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
 
@@ -35,9 +37,12 @@ adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-concat \
 		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
 		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stage3-concat
+	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-concat \
+		--task "icl:2,personalization:2,dialogue:1" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
+		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stage4-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
-	cd out/stage3-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage4-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage1-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat

@@ -1,5 +1,6 @@
 """Training data: built-in task families in many wordings, weighted into one mixture, and a short training run;
-then long text trained as a stream, through the streaming cache `ccm stream-eval` measures.
+a fine-tuned full-context baseline as the distillation teacher of the memory; then long text trained as a
+stream, through the streaming cache `ccm stream-eval` measures.
 
 A weighted mixture gives cheap or important families more turns ("icl:3,dialogue:1": three ICL samples, then
 one dialogue, and again). ICL's `icl/varied` wording composes a new frame for every sample, so an adapter
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
+from transformers_ccm.baseline import full_context_config
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.stream_training import tokens_before_compression
 from transformers_ccm.tasks import make_samples, make_task_samples
@@ -38,12 +41,25 @@ def main() -> None:
     tokenizer = load_tokenizer("default")
     base = tiny_llama(len(tokenizer))
     model = CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=1, trained_on=f"built-in task '{MIXTURE}'"))
+    samples = [sample.sample for sample in built]
     held_out = make_samples(MIXTURE, "test", 8, seed=0)  # test-split names, entities and labels
     recipe = TrainingRecipe(steps=6, batch_size=4, learning_rate=1e-2, eval_every=3, save_every=1000, log_every=1000)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = train(model, tokenizer, [sample.sample for sample in built], held_out, output_dir, recipe)
+        trainer = train(model, tokenizer, samples, held_out, output_dir, recipe)
     losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     print(f"held-out loss at steps 3 and 6: {losses[0]:.3f}, {losses[-1]:.3f}")
+
+    # A teacher that has learnt the tasks with the whole history in view (the paper's upper bound, the same LoRA
+    # at every position) asks the memory for its predictions: `ccm train --distill-teacher ccm:smollm2-full-context`.
+    teacher = CCMForCausalLM.from_base(tiny_llama(len(tokenizer)), full_context_config(CCMConfig()))
+    with tempfile.TemporaryDirectory() as output_dir:
+        train(teacher, tokenizer, samples, None, output_dir, replace(recipe, layout="full_context"))
+    student = CCMForCausalLM.from_base(tiny_llama(len(tokenizer)), CCMConfig(num_comp_tokens=1))
+    distilled = replace(recipe, distill_weight=1.0)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = train(student, tokenizer, samples, held_out, output_dir, distilled, teacher=teacher)
+    losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    print(f"held-out loss distilled from the baseline at steps 3 and 6: {losses[0]:.3f}, {losses[-1]:.3f}")
 
     # Streams: each sample fills the sink and window, then is compressed three times on its way; the loss is on
     # every token after the first compression, with gradients through all three.

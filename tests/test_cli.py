@@ -295,6 +295,19 @@ def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
         assert exit_info.value.code == 2 and "fine-tuned full-context baseline" in error and fix in error
 
 
+def test_train_distils_from_a_full_context_baseline(tiny_model, adapter, tmp_path, capsys):
+    train(tiny_model, tmp_path / "full", 1, "--method", "full-context")
+    distil = ["--init-adapter", adapter, "--distill-weight", "1", "--distill-teacher"]
+    train(tiny_model, tmp_path / "student", 2, *distil, str(tmp_path / "full"))
+    trained_on = json.loads((tmp_path / "student" / "ccm_config.json").read_text())["trained_on"]
+    assert trained_on.endswith(f"then transformers-ccm built-in task 'mixture', distilled from {tmp_path / 'full'}")
+    with pytest.raises(SystemExit) as exit_info:
+        train(tiny_model, tmp_path / "refused", 1, *distil, adapter)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--distill-teacher {adapter} is a compression adapter" in error
+    assert not (tmp_path / "refused").exists()
+
+
 def test_device_auto_picks_a_gpu_only_when_there_is_one():
     from transformers_ccm.cli import _device
 

@@ -1,10 +1,11 @@
-"""Self-distillation from full context: the teacher sees the plain history; only the adapter learns."""
+"""Distillation from full context: the teacher sees the plain history; only the student's adapter learns."""
 
 import torch
 
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.distillation import distillation_loss, plain_history
+from transformers_ccm.baseline import full_context_config
+from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history
 
 SAMPLES = [
     OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13]),
@@ -49,4 +50,31 @@ def test_distillation_trains_only_the_adapter_and_equals_on_labels_only_logits()
             assert parameter.grad is not None, name
         else:
             assert parameter.grad is None, name
+    assert model.comp_embeddings.grad.abs().sum() > 0
+
+
+def full_context_teacher(randomized: bool) -> CCMForCausalLM:
+    model = CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0)))
+    return randomize_adapter(model, seed=7) if randomized else model.eval()
+
+
+def test_a_full_context_baseline_teaches_with_its_lora_on_and_learns_nothing():
+    model = fresh()
+    batch = CCMDataCollator(model)(SAMPLES)
+    student = model(**batch).logits
+    # A baseline whose LoRA is still zero reads the plain history as the base model does: self-distillation.
+    untrained = distillation_loss(model, batch, student, teacher=full_context_teacher(randomized=False))
+    assert torch.allclose(untrained, distillation_loss(model, batch, student), atol=1e-6)
+    teacher = full_context_teacher(randomized=True)
+    loss = distillation_loss(model, batch, student, teacher=teacher)
+    ids, index = plain_history(batch)
+    with torch.no_grad():
+        teacher_logits = teacher.base_model(input_ids=ids).logits  # its LoRA acts at every position
+    supervised = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100) != -100
+    rows = torch.arange(len(SAMPLES))[:, None].expand_as(supervised)
+    expected = kl_to_teacher(student[supervised], teacher_logits[rows[supervised], index[supervised]], 1.0)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert (loss - untrained).abs() > 100 * 1e-6  # the LoRA changes the target far beyond float noise
+    loss.backward()
+    assert all(parameter.grad is None for parameter in teacher.parameters())
     assert model.comp_embeddings.grad.abs().sum() > 0

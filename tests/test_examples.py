@@ -57,10 +57,12 @@ def test_training_data_mixes_families_by_weight_and_trains_on_streams(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("{")]
     assert "families: {'icl': 24, 'personalization': 8, 'dialogue': 8}" in lines
     assert sum(line.startswith("a varied ICL frame:") for line in lines) == 2
-    mixture, streamed = (
-        next(line for line in lines if line.startswith(start)) for start in ("held-out loss", "held-out streamed")
+    mixture, distilled, streamed = (
+        next(line for line in lines if line.startswith(start))
+        for start in ("held-out loss at", "held-out loss distilled", "held-out streamed")
     )
-    at_3, at_6 = (float(word.rstrip(",")) for word in mixture.split()[-2:])
-    assert at_6 < at_3, mixture
+    for losses in (mixture, distilled):
+        at_3, at_6 = (float(word.rstrip(",")) for word in losses.split()[-2:])
+        assert at_6 < at_3, losses
     at_2, at_4 = (float(word.rstrip(",")) for word in streamed.split()[-2:])
     assert at_4 < at_2, streamed

@@ -11,7 +11,7 @@ from transformers_ccm.hub import read_adapter, resolve_adapter, shipped_adapters
 from transformers_ccm.tasks.text import long_text
 
 EXPECTED = {
-    "ccm:smollm2-concat": ("concat", 1, "mixture"),
+    "ccm:smollm2-concat": ("concat", 1, "distilled from ccm:smollm2-full-context"),
     "ccm:smollm2-merge": ("merge", 2, "mixture"),
     "ccm:smollm2-stream": ("concat", 2, "'text'"),
     "ccm:smollm2-full-context": ("concat", 2, "fine-tuned full-context baseline on"),  # <COMP> unused

@@ -91,12 +91,18 @@ def test_gradients_reach_the_adapter_through_the_memory():
     assert len(read) == 4 and all(grad is not None and grad.abs().sum() > 0 for grad in read)
 
 
-def test_distillation_adds_the_kl_to_the_base_model_over_the_whole_stretch():
+def test_distillation_adds_the_kl_to_the_teacher_over_the_whole_stretch():
     model = tiny_ccm("llama")
     batch = StreamCollator(SMALL)(torch.randint(3, VOCAB, (2, 19)).tolist())
     with torch.no_grad():
         plain, distilled = stream_loss(model, batch, SMALL), stream_loss(model, batch, SMALL, distill_weight=1.0)
     assert distilled > plain
+    # A full-context baseline teaches with its LoRA on; while that LoRA is zero it reads as the base model does.
+    teacher = CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0))).eval()
+    with torch.no_grad():
+        assert torch.allclose(stream_loss(model, batch, SMALL, distill_weight=1.0, teacher=teacher), distilled)
+        randomize_adapter(teacher, seed=5)
+        assert not torch.allclose(stream_loss(model, batch, SMALL, distill_weight=1.0, teacher=teacher), distilled)
 
 
 QUERY, KEYS, FILLER = 5, range(10, 30), list(range(60, 67))

@@ -7,6 +7,7 @@ import torch
 
 from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.baseline import full_context_config
 from transformers_ccm.training import TrainingRecipe, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
@@ -70,3 +71,40 @@ def test_train_with_dense_supervision_and_distillation(tmp_path):
     trainer = train(model, None, [recall_sample(rng) for _ in range(12)], None, tmp_path / "out", recipe)
     assert trainer.distill_weight == 1.0 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
     assert not torch.equal(before, model.comp_embeddings)
+
+
+def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    teacher = randomize_adapter(
+        CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0))), seed=3
+    ).train()
+    teacher_before = {name: value.clone() for name, value in teacher.state_dict().items()}
+    before = model.comp_embeddings.detach().clone()
+    rng = random.Random(0)
+    recipe = TrainingRecipe(steps=2, batch_size=4, save_every=2, distill_weight=1.0)
+    samples = [recall_sample(rng) for _ in range(8)]
+    trainer = train(model, None, samples, None, tmp_path / "out", recipe, teacher=teacher)
+    assert trainer.distill_teacher is teacher and not teacher.training
+    assert all(torch.equal(value, teacher_before[name]) for name, value in teacher.state_dict().items())
+    assert not torch.equal(before, model.comp_embeddings)
+
+
+@pytest.mark.parametrize(
+    ("teacher_base", "distill_weight", "message"),
+    [
+        ("llama", 0.0, "distill_weight is 0"),
+        ("mistral", 1.0, "give an adapter of the same base"),
+        (None, 1.0, "teacher is the model being trained"),
+    ],
+)
+def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_weight, message):
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    teacher = (
+        model
+        if teacher_base is None
+        else CCMForCausalLM.from_base(tiny_base(teacher_base), full_context_config(CCMConfig()))
+    )
+    recipe = TrainingRecipe(steps=1, batch_size=2, distill_weight=distill_weight)
+    with pytest.raises(ValueError, match=message):
+        train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path / "out", recipe, teacher=teacher)
+    assert not (tmp_path / "out").exists()

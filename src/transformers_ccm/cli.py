@@ -118,6 +118,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
     if args.method == "full-context":
         config = full_context_config(config)
+    if args.distill_teacher:
+        config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config)
     model = CCMForCausalLM.from_base(args.model, config)
@@ -156,8 +158,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         if eval_task
         else None
     )
+    teacher = None
+    if args.distill_teacher:
+        teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
-    train(model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume)
+    train(model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher)
     print(f"adapter saved to {args.output_dir}")
 
 
@@ -286,18 +291,21 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
 
 
-def _load_full_context(adapter: str, model_name: str, reference: CCMForCausalLM) -> CCMForCausalLM:
-    """A full-context fine-tuned adapter (`conditional_lora=False`) for the same base as the CCM adapters."""
+def _load_full_context(
+    adapter: str, model_name: str, reference: CCMForCausalLM, flag: str = "--full-context-adapter"
+) -> CCMForCausalLM:
+    """A full-context fine-tuned adapter (`conditional_lora=False`), given as `flag`, for the same base as the
+    compression adapter `reference`."""
     model, _ = _load_ccm(adapter, model_name, str(reference.device))
     if model.config.conditional_lora:
         raise ValueError(
-            f"--full-context-adapter {adapter} is a compression adapter (conditional_lora=True); give one trained "
-            "with the whole history as plain prompt (conditional_lora=False)."
+            f"{flag} {adapter} is a compression adapter (conditional_lora=True); give one trained with the whole "
+            "history as plain prompt (conditional_lora=False, ccm train --method full-context)."
         )
     if model.config.base_model_shape != reference.config.base_model_shape:
         raise ValueError(
-            f"--full-context-adapter {adapter} was made for {model.config.base_model_name_or_path}, not for the "
-            f"base of the compression adapters ({reference.config.base_model_name_or_path})."
+            f"{flag} {adapter} was made for {model.config.base_model_name_or_path}, not for the base of the "
+            f"compression adapters ({reference.config.base_model_name_or_path})."
         )
     return model
 
@@ -533,7 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--distill-weight",
         type=float,
         default=0.0,
-        help="add this times KL(base model with the full history || CCM) at the supervised positions",
+        help="add this times KL(teacher with the full history || CCM) at the supervised positions",
+    )
+    train.add_argument(
+        "--distill-teacher",
+        default=None,
+        help="the --distill-weight teacher: a fine-tuned full-context baseline of the same base model (e.g. "
+        "ccm:smollm2-full-context), read with its LoRA on (default: the base model)",
     )
     train.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)"

@@ -1,9 +1,11 @@
-"""Self-distillation from full context: the base model with the whole history as a plain prompt is the
-teacher of the memory.
+"""Distillation from full context: a model reading the whole history as a plain prompt is the teacher of the
+memory.
 
 At every supervised position of a `CCMDataCollator` batch the student (the CCM forward, which sees only memory)
-is pulled towards the teacher's next-token distribution (the same base model, adapter off, no gradient, over
-`[c(1) ... c(t) I(t) O(t)]` without `<COMP>` tokens), as kvpress's RestoreKV and KV-Distill train.
+is pulled towards the teacher's next-token distribution over `[c(1) ... c(t) I(t) O(t)]` without `<COMP>`
+tokens, run without gradients in the same step, as kvpress's RestoreKV and KV-Distill train. By default the
+teacher is the student's own base model with the adapter off (self-distillation); a fine-tuned full-context
+baseline (`conditional_lora=False`, its LoRA on) is a stronger one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def distillation_loss(
     student_logits: torch.Tensor,
     temperature: float = 1.0,
     positions: torch.Tensor | None = None,
+    teacher: CCMForCausalLM | None = None,
 ) -> torch.Tensor:
     """Mean KL(teacher || student) over the positions that predict a label, scaled by `temperature**2`.
 
@@ -44,16 +47,23 @@ def distillation_loss(
         batch: a `CCMDataCollator` batch with `labels`.
         student_logits: `(batch, seq, vocab)` logits of the CCM forward on `batch`, or `(batch, k, vocab)` at the
             sequence positions `positions` `(k,)` (what `model(..., logits_at_labels=True)` returns).
+        teacher: the model whose reading of the plain history is the target; None: `model` itself.
     """
     columns = torch.arange(batch["labels"].shape[1], device=student_logits.device) if positions is None else positions
     next_label = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)[:, columns]
     supervised = next_label != IGNORE_INDEX
     teacher_ids, index = plain_history(batch)
-    with torch.no_grad(), model.adapter_disabled():
-        teacher_logits = model.base_model(input_ids=teacher_ids).logits
     rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(supervised)
-    teacher = teacher_logits[rows[supervised], index[:, columns][supervised]]
-    return kl_to_teacher(student_logits[supervised], teacher, temperature)
+    teacher_logits = plain_prompt_logits(model if teacher is None else teacher, teacher_ids)
+    target = teacher_logits[rows[supervised], index[:, columns][supervised]]
+    return kl_to_teacher(student_logits[supervised], target, temperature)
+
+
+def plain_prompt_logits(teacher: CCMForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """`(batch, len, vocab)` logits of `teacher` reading `input_ids` `(batch, len)` as a plain prompt (no `<COMP>`
+    tokens, see `CCMForCausalLM.reading_plain_prompt`), without gradients."""
+    with torch.no_grad(), teacher.reading_plain_prompt():
+        return teacher.base_model(input_ids=input_ids).logits
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

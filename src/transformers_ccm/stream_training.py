@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_ccm.data import IGNORE_INDEX
-from transformers_ccm.distillation import kl_to_teacher
+from transformers_ccm.distillation import kl_to_teacher, plain_prompt_logits
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
 
@@ -59,11 +59,12 @@ def stream_loss(
     distill_weight: float = 0.0,
     temperature: float = 1.0,
     num_items_in_batch: torch.Tensor | int | None = None,
+    teacher: CCMForCausalLM | None = None,
 ) -> torch.Tensor:
     """NLL (summed over `num_items_in_batch` labels when given, else the mean) of every labelled token of a
     `StreamCollator` batch, streamed through a fresh cache `piece` tokens per forward after the sink and window
-    fill, plus `distill_weight` times KL(base model over the whole stretch || streamed model) at the same
-    positions."""
+    fill, plus `distill_weight` times KL(teacher over the whole stretch || streamed model) at the same positions;
+    the teacher is `teacher` reading plain text, by default `model`'s base model (see `distillation`)."""
     input_ids, labels = batch["input_ids"], batch["labels"]
     warm = tokens_before_compression(streaming)
     cache = model.new_cache(input_ids.shape[0], streaming=streaming)
@@ -75,8 +76,7 @@ def stream_loss(
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())
     if distill_weight:
-        with torch.no_grad(), model.adapter_disabled():
-            teacher = model.base_model(input_ids=input_ids).logits[:, warm:-1]
+        target = plain_prompt_logits(model if teacher is None else teacher, input_ids)[:, warm:-1]
         supervised = targets != IGNORE_INDEX
-        loss = loss + distill_weight * kl_to_teacher(logits[supervised], teacher[supervised], temperature)
+        loss = loss + distill_weight * kl_to_teacher(logits[supervised], target[supervised], temperature)
     return loss

@@ -29,6 +29,8 @@ class CCMTrainer(Trainer):
 
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
+    # None: the student's own base model with the adapter off; kept off `self.model`, which the Trainer wraps.
+    distill_teacher: CCMForCausalLM | None = None
     streaming: StreamingConfig | None = None
     stream_piece: int = 16
 
@@ -55,6 +57,7 @@ class CCMTrainer(Trainer):
                 self.distill_weight if model.training else 0.0,
                 self.distill_temperature,
                 num_items_in_batch,
+                self.distill_teacher,
             )
             return (loss, {"loss": loss}) if return_outputs else loss
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
@@ -63,7 +66,7 @@ class CCMTrainer(Trainer):
             positions = (inputs["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
             unwrapped = self.accelerator.unwrap_model(model)
             loss = loss + self.distill_weight * distillation_loss(
-                unwrapped, inputs, outputs.logits, self.distill_temperature, positions
+                unwrapped, inputs, outputs.logits, self.distill_temperature, positions, self.distill_teacher
             )
         return (loss, outputs) if return_outputs else loss
 
@@ -109,6 +112,7 @@ def train(
     output_dir: str | os.PathLike[str],
     recipe: TrainingRecipe | None = None,
     resume: bool = False,
+    teacher: CCMForCausalLM | None = None,
 ) -> CCMTrainer:
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
@@ -116,10 +120,14 @@ def train(
     from the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every
     process trains the same adapter and only the main process writes files. `tokenizer` is needed for samples
     given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are streams:
-    token-id sequences of one length.
+    token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model as the
+    distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the plain
+    history with its LoRA on; it is frozen and moved to `model`'s device.
     """
     _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
+    if teacher is not None:
+        _check_teacher(model, teacher, recipe)
     if recipe.layout == "full_context" and (model.config.conditional_lora or recipe.distill_weight):
         raise ValueError(
             "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
@@ -189,6 +197,8 @@ def train(
         ),
     )
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
+    if teacher is not None:
+        trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
@@ -205,4 +215,23 @@ def _refuse_sharded_launch() -> None:
             f"ccm training runs with DDP, not {' or '.join(sharded)}: the adapter is a few MB and the base model is "
             "frozen, so sharding saves little, and PEFT's frozen base would need FSDP's use_orig_params. Launch "
             "with `accelerate launch --multi_gpu ...` or `torchrun --nproc_per_node N ...` instead."
+        )
+
+
+def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM, recipe: TrainingRecipe) -> None:
+    """Raise unless `teacher` can teach `model` under `recipe`: distillation on, and the same base model shape
+    (the teacher's logits are compared with the student's token by token)."""
+    if not recipe.distill_weight:
+        raise ValueError(
+            "A distillation teacher was given, but distill_weight is 0, so it would never be asked; set "
+            "distill_weight > 0 (ccm train --distill-weight 1) or train without a teacher."
+        )
+    if teacher is model:
+        raise ValueError(
+            "The teacher is the model being trained; leave teacher=None to distill from its own base model."
+        )
+    if teacher.config.base_model_shape != model.config.base_model_shape:
+        raise ValueError(
+            f"The distillation teacher was made for {teacher.config.base_model_name_or_path}, not for the base of "
+            f"the model being trained ({model.config.base_model_name_or_path}); give an adapter of the same base."
         )
