@@ -2,9 +2,8 @@
 
 import torch
 
-from tiny_models import randomize_adapter, tiny_base
+from tiny_models import randomize_adapter, tiny_base, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.baseline import full_context_config
 from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history
 
 SAMPLES = [
@@ -53,19 +52,14 @@ def test_distillation_trains_only_the_adapter_and_equals_on_labels_only_logits()
     assert model.comp_embeddings.grad.abs().sum() > 0
 
 
-def full_context_teacher(randomized: bool) -> CCMForCausalLM:
-    model = CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0)))
-    return randomize_adapter(model, seed=7) if randomized else model.eval()
-
-
 def test_a_full_context_baseline_teaches_with_its_lora_on_and_learns_nothing():
     model = fresh()
     batch = CCMDataCollator(model)(SAMPLES)
     student = model(**batch).logits
     # A baseline whose LoRA is still zero reads the plain history as the base model does: self-distillation.
-    untrained = distillation_loss(model, batch, student, teacher=full_context_teacher(randomized=False))
+    untrained = distillation_loss(model, batch, student, teacher=tiny_full_context_baseline())
     assert torch.allclose(untrained, distillation_loss(model, batch, student), atol=1e-6)
-    teacher = full_context_teacher(randomized=True)
+    teacher = tiny_full_context_baseline(seed=7)
     loss = distillation_loss(model, batch, student, teacher=teacher)
     ids, index = plain_history(batch)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.baseline import full_context_config
 from transformers_ccm.data import IGNORE_INDEX
@@ -98,7 +98,7 @@ def test_distillation_adds_the_kl_to_the_teacher_over_the_whole_stretch():
         plain, distilled = stream_loss(model, batch, SMALL), stream_loss(model, batch, SMALL, distill_weight=1.0)
     assert distilled > plain
     # A full-context baseline teaches with its LoRA on; while that LoRA is zero it reads as the base model does.
-    teacher = CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0))).eval()
+    teacher = tiny_full_context_baseline()
     with torch.no_grad():
         assert torch.allclose(stream_loss(model, batch, SMALL, distill_weight=1.0, teacher=teacher), distilled)
         randomize_adapter(teacher, seed=5)

@@ -5,9 +5,8 @@ import random
 import pytest
 import torch
 
-from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base
+from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.baseline import full_context_config
 from transformers_ccm.training import TrainingRecipe, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
@@ -75,9 +74,7 @@ def test_train_with_dense_supervision_and_distillation(tmp_path):
 
 def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
     model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
-    teacher = randomize_adapter(
-        CCMForCausalLM.from_base(tiny_base("llama"), full_context_config(CCMConfig(lora_dropout=0.0))), seed=3
-    ).train()
+    teacher = tiny_full_context_baseline(seed=3).train()
     teacher_before = {name: value.clone() for name, value in teacher.state_dict().items()}
     before = model.comp_embeddings.detach().clone()
     rng = random.Random(0)
@@ -99,11 +96,7 @@ def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
 )
 def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_weight, message):
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
-    teacher = (
-        model
-        if teacher_base is None
-        else CCMForCausalLM.from_base(tiny_base(teacher_base), full_context_config(CCMConfig()))
-    )
+    teacher = model if teacher_base is None else tiny_full_context_baseline(teacher_base)
     recipe = TrainingRecipe(steps=1, batch_size=2, distill_weight=distill_weight)
     with pytest.raises(ValueError, match=message):
         train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path / "out", recipe, teacher=teacher)

@@ -23,6 +23,7 @@ from transformers import (
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm.baseline import full_context_config
 from transformers_ccm.lora import lora_layers
 
 VOCAB = 97
@@ -129,3 +130,10 @@ def randomize_adapter(model: CCMForCausalLM, seed: int = 1) -> CCMForCausalLM:
 def tiny_ccm(architecture: str, **config: object) -> CCMForCausalLM:
     """A cached tiny CCM model with a random adapter (tests must not modify it)."""
     return randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig(**config)))
+
+
+def tiny_full_context_baseline(architecture: str = "llama", seed: int | None = None) -> CCMForCausalLM:
+    """A tiny fine-tuned full-context baseline (a LoRA at every position) on `tiny_base(architecture)`: random LoRA
+    drawn with `seed`, or with `seed=None` the LoRA still zero (it reads a plain prompt as the base model does)."""
+    model = CCMForCausalLM.from_base(tiny_base(architecture), full_context_config(CCMConfig(lora_dropout=0.0)))
+    return model.eval() if seed is None else randomize_adapter(model, seed=seed)
