@@ -1,10 +1,11 @@
 """Distillation from full context: the teacher sees the plain history; only the student's adapter learns."""
 
+import pytest
 import torch
 
-from tiny_models import randomize_adapter, tiny_base, tiny_full_context_baseline
+from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history
+from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history, plain_prompt_logits
 
 SAMPLES = [
     OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13]),
@@ -25,6 +26,14 @@ def test_the_teacher_reads_the_plain_history_aligned_with_the_sequence():
         ordinary = index[row] >= 0
         assert torch.equal(ids[row, index[row][ordinary]], batch["input_ids"][row][ordinary])
         assert torch.equal(batch["position_ids"][row][ordinary], index[row][ordinary])  # the same positions
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_teacher_projects_only_the_kept_positions(architecture):
+    model = randomize_adapter(tiny_ccm(architecture))
+    ids = torch.randint(5, 60, (2, 9))
+    kept = torch.tensor([0, 3, 4, 8])
+    assert torch.allclose(plain_prompt_logits(model, ids, kept), plain_prompt_logits(model, ids)[:, kept], atol=1e-5)
 
 
 def test_no_memory_means_no_difference_to_distil():

@@ -54,16 +54,21 @@ def distillation_loss(
     supervised = next_label != IGNORE_INDEX
     teacher_ids, index = plain_history(batch)
     rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(supervised)
-    teacher_logits = plain_prompt_logits(model if teacher is None else teacher, teacher_ids)
-    target = teacher_logits[rows[supervised], index[:, columns][supervised]]
+    # The vocabulary projection is only paid where some row is supervised.
+    kept, column_in_kept = torch.unique(index[:, columns][supervised], return_inverse=True)
+    teacher_logits = plain_prompt_logits(model if teacher is None else teacher, teacher_ids, kept)
+    target = teacher_logits[rows[supervised], column_in_kept]
     return kl_to_teacher(student_logits[supervised], target, temperature)
 
 
-def plain_prompt_logits(teacher: CCMForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """`(batch, len, vocab)` logits of `teacher` reading `input_ids` `(batch, len)` as a plain prompt (no `<COMP>`
-    tokens, see `CCMForCausalLM.reading_plain_prompt`), without gradients."""
+def plain_prompt_logits(
+    teacher: CCMForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits of `teacher` reading `input_ids` `(batch, len)` as a plain prompt (no `<COMP>` tokens, see
+    `CCMForCausalLM.reading_plain_prompt`), without gradients: `(batch, k, vocab)` at the sorted sequence
+    positions `positions` `(k,)`, or `(batch, len, vocab)` at all of them."""
     with torch.no_grad(), teacher.reading_plain_prompt():
-        return teacher.base_model(input_ids=input_ids).logits
+        return teacher.base_model(input_ids=input_ids, logits_to_keep=0 if positions is None else positions).logits
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -76,7 +76,8 @@ def stream_loss(
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())
     if distill_weight:
-        target = plain_prompt_logits(model if teacher is None else teacher, input_ids)[:, warm:-1]
+        streamed = torch.arange(warm, input_ids.shape[1] - 1, device=input_ids.device)
+        target = plain_prompt_logits(model if teacher is None else teacher, input_ids, streamed)
         supervised = targets != IGNORE_INDEX
         loss = loss + distill_weight * kl_to_teacher(logits[supervised], target[supervised], temperature)
     return loss
