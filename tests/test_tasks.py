@@ -22,10 +22,12 @@ from transformers_ccm.tasks import (
     save_jsonl,
     wording_ids,
 )
+from transformers_ccm.tasks.dialogue import ASIDES
 from transformers_ccm.tasks.document import passages
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK
 from transformers_ccm.tasks.icl import varied_frame
 from transformers_ccm.tasks.personalization import FILLER
+from transformers_ccm.tasks.replies import LIST_INTROS, SENTENCES, TIPS, ramble
 from transformers_ccm.tasks.vocabulary import POOLS, in_test_split, words
 from transformers_ccm.tasks.wordings import Phrasings, at_answer
 
@@ -45,7 +47,7 @@ def test_pools_split_by_identity(pool):
 
 
 TEST_ITEMS = {w for pool in POOLS for w in words(pool, "test")}
-FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue"]
+FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue", "chat"]
 
 
 def _text(sample):
@@ -92,7 +94,7 @@ def test_format(task, steps, seed):
 
 def test_answers_need_the_contexts():
     """The asked fact appears in the contexts (in whatever phrasing), not only in the question."""
-    for task in ("personalization", "dialogue"):
+    for task in ("personalization", "dialogue", "chat"):
         for built in make_task_samples(task, "test", 40, seed=2, steps=6):
             sample = built.sample
             answers = [item for item in built.items if item.lower() in sample.output.lower()]
@@ -149,7 +151,7 @@ def test_held_out_wordings_share_no_frame_or_phrase_with_training():
         for part in _literal_parts(template)
     }
     phrasings = [p for fact in FACTS.values() for p in vars(fact).values() if isinstance(p, Phrasings)]
-    phrasings += [OPENERS, CLOSERS, FILLER]
+    phrasings += [OPENERS, CLOSERS, FILLER, ASIDES, SENTENCES, LIST_INTROS, TIPS]
     for phrasing in phrasings:
         for sentence in phrasing.unseen:
             held_out_parts |= {part for part in _literal_parts(sentence) if len(part) >= 8}
@@ -349,3 +351,34 @@ def test_jsonl_field_errors_name_the_line(tmp_path, bad, good_before):
     (tmp_path / "bad.jsonl").write_text(good * good_before + bad + "\n" + good)
     with pytest.raises(ValueError, match=rf"bad\.jsonl:{good_before + 1}: .*{re.escape(BAD_FIELDS[bad])}"):
         load_jsonl(tmp_path / "bad.jsonl")
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), held_out=st.booleans(), split=st.sampled_from(["train", "test"]))
+def test_long_replies_never_name_the_users_own_facts(seed, held_out, split):
+    """Other people in a rambling reply are distractors, never the user's name, friend or job."""
+    rng = random.Random(seed)
+    avoid = (*rng.sample(words("first_name", split), 2), rng.choice(words("job", split)))
+    text = ramble(rng, split, held_out, avoid)
+    assert len(text.split()) >= 8
+    assert not [item for item in avoid if re.search(rf"\b{re.escape(item)}\b", text)]
+
+
+def test_chat_replies_run_long_and_earlier_turns_may_ask():
+    """Chat samples are dialogues as a chat model holds them: replies several times longer than the dialogue
+    family's, and some earlier turns already asking about another fact."""
+
+    def words_per_context(task):
+        samples = make_task_samples(task, "train", 60, seed=0, steps=6)
+        return sum(len(c.split()) for b in samples for c in b.sample.contexts) / (6 * len(samples))
+
+    assert words_per_context("chat") > 2.5 * words_per_context("dialogue")
+    asides = [aside for aside in ASIDES.seen if len(aside) > 4]
+    samples = make_task_samples("chat", "train", 60, seed=0, steps=8)
+    asked_before = [
+        context
+        for built in samples
+        for context in built.sample.contexts
+        if any(aside in context for aside in asides) and any(item in context for item in built.items)
+    ]
+    assert asked_before and all(any(aside in b.sample.input for aside in ASIDES.seen) for b in samples)

@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--task",
         default="mixture",
-        help="icl | personalization | dialogue | document | mixture (all four) | a weighted mixture such as "
+        help="icl | personalization | dialogue | chat | document | mixture (all five) | a weighted mixture such as "
         "icl:3,dialogue:1 | text (the Python reference, for streaming) | text-varied (the reference and the "
         "standard library's docstrings, for streaming) | or a JSONL file",
     )
@@ -559,7 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(evaluate)
     evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
     evaluate.add_argument(
-        "--tasks", nargs="+", default=["icl", "personalization", "dialogue"], help="also: document (general text)"
+        "--tasks",
+        nargs="+",
+        default=["icl", "personalization", "dialogue"],
+        help="also: chat (long replies), document (general text)",
     )
     evaluate.add_argument("--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's)")
     evaluate.add_argument(

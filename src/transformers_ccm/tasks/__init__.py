@@ -25,23 +25,32 @@ TASKS: dict[str, Generator] = {
     "icl": icl.icl_sample,
     "personalization": personalization.personalization_sample,
     "dialogue": dialogue.dialogue_sample,
+    "chat": dialogue.dialogue_sample,
     "document": document.document_sample,
 }
 WORDINGS: dict[str, Sequence[Any]] = {
     "icl": icl.WORDINGS,
     "personalization": personalization.WORDINGS,
     "dialogue": dialogue.WORDINGS,
+    "chat": dialogue.CHAT_WORDINGS,
     "document": document.WORDINGS,
 }
 # How each family is scored, and the time steps the paper reports for it.
-METRIC = {"icl": "accuracy", "personalization": "accuracy", "dialogue": "perplexity", "document": "perplexity"}
+METRIC = {
+    "icl": "accuracy",
+    "personalization": "accuracy",
+    "dialogue": "perplexity",
+    "chat": "perplexity",
+    "document": "perplexity",
+}
 EVAL_STEPS = {
     "icl": (1, 2, 4, 8, 16),
     "personalization": (1, 2, 4, 8, 16),
     "dialogue": (1, 2, 4, 8, 12),
+    "chat": (1, 2, 4, 8),
     "document": (1, 2, 4, 8),
 }
-MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "document": 8}
+MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "chat": 8, "document": 8}
 MIXTURE = "mixture"
 
 
@@ -88,7 +97,7 @@ def make_task_samples(
     steps: int | None = None,
     wordings: WordingSet | None = None,
 ) -> list[TaskSample]:
-    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "document", "mixture", or a
+    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "chat", "document", "mixture", or a
     weighted mixture such as "icl:3,dialogue:1"; see `mixture_weights`), each with its wording id and the
     word-list items it uses.
 

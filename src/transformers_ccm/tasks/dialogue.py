@@ -4,6 +4,10 @@ Each context is one earlier exchange (user and assistant), in ChatML or as a pla
 wordings the user mentions facts among small talk ("Long day today. I'm an architect by profession. What
 about you?"). The input is the user's last message, asking about one fact; the output is the assistant's
 reply, which needs the earlier turns. Scored by perplexity.
+
+The `chat` family is the same conversation as a chat model holds it: every assistant reply runs on for several
+sentences (`replies.ramble`), earlier turns may already have asked about other facts, and the last question
+comes with an aside ("Quick check: what's my name?").
 """
 
 from __future__ import annotations
@@ -13,18 +17,21 @@ from dataclasses import dataclass
 
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, fill
+from transformers_ccm.tasks.replies import ramble
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, at_answer
+from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
 
 
 @dataclass(frozen=True)
 class DialogueWording:
-    """One exchange (`{user}`, then `{answer}` for the assistant); `natural`: facts come among small talk."""
+    """One exchange (`{user}`, then `{answer}` for the assistant); `natural`: facts come among small talk;
+    `long_replies`: the assistant rambles on as a chat model does (the `chat` family)."""
 
     id: str
     exchange: str
     natural: bool = False
     held_out: bool = False
+    long_replies: bool = False
 
 
 CHATML = "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
@@ -37,6 +44,21 @@ WORDINGS = (
     DialogueWording("dialogue/a-b", "A: {user}\nB: {answer}\n", natural=True, held_out=True),
     DialogueWording("dialogue/bracketed", "[user] {user}\n[assistant] {answer}\n", held_out=True),
 )
+CHAT_WORDINGS = (
+    DialogueWording("chat/chatml", CHATML, natural=True, long_replies=True),
+    DialogueWording("chat/chatml-plain", CHATML, long_replies=True),
+    DialogueWording("chat/user-assistant", "User: {user}\nAssistant: {answer}\n\n", natural=True, long_replies=True),
+    DialogueWording("chat/you-bot", "You: {user}\nBot: {answer}\n", natural=True, long_replies=True),
+    DialogueWording("chat/chatml-rephrased", CHATML, natural=True, held_out=True, long_replies=True),
+    DialogueWording(
+        "chat/me-helper", "Me: {user}\nHelper: {answer}\n\n", natural=True, held_out=True, long_replies=True
+    ),
+)
+# Said before the last question of a chat, lower-casing the question: "Quick check: what is my name?"
+ASIDES = Phrasings(
+    ("Quick check:", "By the way,", "One more thing:", "And", "Before I forget,", "Okay, so", "Hmm,"),
+    ("Random question:", "Also, just curious,"),
+)
 KINDS = sorted(FACTS)
 
 
@@ -44,19 +66,33 @@ def dialogue_sample(rng: random.Random, split: Split, steps: int, wording: Dialo
     """A dialogue with `steps` earlier exchanges, some sharing facts, and a last turn recalling one of them."""
     held_out = wording.held_out
     facts = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
+    # A chat may already have asked about other facts (as the demo does), in its last turns before the question.
+    asked_before = rng.randint(0, min(2, len(facts) - 1, steps - len(facts))) if wording.long_replies else 0
     exchanges = []
     for kind, value in facts.items():
         user = fill(FACTS[kind].statements.pick(rng, held_out), value)
         if wording.natural:
             user = f"{OPENERS.pick(rng, held_out)} {user} {CLOSERS.pick(rng, held_out)}"
         exchanges.append((user, fill(FACTS[kind].acknowledgements.pick(rng, held_out), value)))
-    while len(exchanges) < steps:
+    while len(exchanges) + asked_before < steps:
         user, assistant = SMALL_TALK.pick(rng, held_out)
         topic = rng.choice(words("word", split))
         exchanges.append((fill(user, topic), fill(assistant, topic)))
     rng.shuffle(exchanges)
     asked = rng.choice(sorted(facts))
     recall = fill(FACTS[asked].recalls.pick(rng, held_out), facts[asked])
-    prompt, output = at_answer(wording.exchange, recall, user=FACTS[asked].questions.pick(rng, held_out))
+    question = FACTS[asked].questions.pick(rng, held_out)
+    if wording.long_replies:
+        avoid = tuple(facts.values())
+        exchanges = [(user, f"{assistant} {ramble(rng, split, held_out, avoid)}") for user, assistant in exchanges]
+        for kind in rng.sample([kind for kind in sorted(facts) if kind != asked], asked_before):
+            answer = fill(FACTS[kind].recalls.pick(rng, held_out), facts[kind])
+            exchanges.append((_with_aside(rng, FACTS[kind].questions.pick(rng, held_out), held_out), answer))
+        question = _with_aside(rng, question, held_out)
+    prompt, output = at_answer(wording.exchange, recall, user=question)
     contexts = [wording.exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
     return OnlineSample(contexts, prompt, output), tuple(facts.values())
+
+
+def _with_aside(rng: random.Random, question: str, held_out: bool) -> str:
+    return f"{ASIDES.pick(rng, held_out)} {question[0].lower()}{question[1:]}"

@@ -83,6 +83,11 @@ class Phrasings:
     def pick(self, rng: random.Random, held_out: bool) -> str:
         return rng.choice(self.unseen if held_out else self.seen)
 
+    def pick_distinct(self, rng: random.Random, held_out: bool, count: int) -> list[str]:
+        """Up to `count` different paraphrases (fewer if the pool is smaller)."""
+        pool = self.unseen if held_out else self.seen
+        return rng.sample(pool, min(count, len(pool)))
+
 
 def at_answer(template: str, answer: str, **fields: str) -> tuple[str, str]:
     """`template` (fields, and `{answer}` where the answer goes) cut into the prompt and what follows it.
