@@ -9,6 +9,7 @@ from transformers_ccm import CCMForCausalLM
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.cli import DEMO_FACTS, demo_script
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.tasks.dialogue import ASIDES
 from transformers_ccm.tasks.vocabulary import in_test_split, words
 
 ASKED = ("name", "job", "friend")  # what the last three messages of the script ask, in order
@@ -20,6 +21,12 @@ def test_the_demo_uses_held_out_facts_and_asks_last():
     told = "".join(script[:-3])
     assert all(value in told for value in DEMO_FACTS.values())
     assert not any(value in message for value in DEMO_FACTS.values() for message in script[-3:])
+
+
+def test_the_demo_asks_as_no_training_sample_does():
+    """The chat family asks with asides too; none of them (seen or held out) opens a demo question."""
+    asides = (*ASIDES.seen, *ASIDES.unseen)
+    assert not [message for message in demo_script(**DEMO_FACTS)[-3:] if message.startswith(asides)]
 
 
 def held_out_people(count: int) -> list[dict[str, str]]:

@@ -7,7 +7,7 @@ reply, which needs the earlier turns. Scored by perplexity.
 
 The `chat` family is the same conversation as a chat model holds it: every assistant reply runs on for several
 sentences (`replies.ramble`), earlier turns may already have asked about other facts, and the last question
-comes with an aside ("Quick check: what's my name?").
+comes with an aside ("By the way, what is my name?").
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ CHAT_WORDINGS = (
         "chat/me-helper", "Me: {user}\nHelper: {answer}\n\n", natural=True, held_out=True, long_replies=True
     ),
 )
-# Said before the last question of a chat, lower-casing the question: "Quick check: what is my name?"
+# Said before the last question of a chat, lower-casing the question: "By the way, what is my name?". None is
+# the demo's ("Quick check:", "And"), so that `ccm demo` asks as no training sample does.
 ASIDES = Phrasings(
-    ("Quick check:", "By the way,", "One more thing:", "And", "Before I forget,", "Okay, so", "Hmm,"),
+    ("By the way,", "One more thing:", "Before I forget,", "Okay, so", "Hmm,", "Oh right,", "Also,"),
     ("Random question:", "Also, just curious,"),
 )
 KINDS = sorted(FACTS)

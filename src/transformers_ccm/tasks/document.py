@@ -63,7 +63,13 @@ def _lorem(rng: random.Random, split: Split, count: int) -> list[str]:
     fake = _faker()
     fake.seed_instance(rng.getrandbits(32))
     vocabulary = list(words("word", split))
-    return [fake.paragraph(nb_sentences=3, ext_word_list=vocabulary) for _ in range(count)]
+    passages = []
+    for _ in range(count):
+        passage = fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
+        while len(passage.split()) < 2 * PROMPT_WORDS:  # Faker's paragraphs can be a word or two long
+            passage += " " + fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
+        passages.append(passage)
+    return passages
 
 
 def document_sample(rng: random.Random, split: Split, steps: int, wording: DocumentWording) -> Built:

@@ -64,15 +64,14 @@ TIPS = Phrasings(
 
 
 def ramble(rng: random.Random, split: Split, held_out: bool, avoid: tuple[str, ...]) -> str:
-    """Two to five sentences, or a list of tips, about a random topic; names and jobs in it are never in
-    `avoid` (the user's own facts)."""
-    names = [name for name in words("first_name", split) if name not in avoid]
-    jobs = [job for job in words("job", split) if job not in avoid]
-    fields = {
-        "v": rng.choice(words("word", split)),
-        "name": rng.choice(names),
-        "job_a": with_article(rng.choice(jobs)),
-    }
+    """Two to five sentences, or a list of tips, about a random topic; its topic, names and jobs share no word
+    with `avoid` (the user's own facts: "arts administrator" is no distractor for an administrator)."""
+    taken = {word for item in avoid for word in item.lower().split()}
+
+    def unrelated(pool: str) -> str:
+        return rng.choice([item for item in words(pool, split) if not taken & set(item.lower().split())])
+
+    fields = {"v": unrelated("word"), "name": unrelated("first_name"), "job_a": with_article(unrelated("job"))}
 
     if rng.random() < 0.35:
         bullet = rng.choice(("*", "-", "{}."))
