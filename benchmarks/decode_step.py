@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from benchmarks.timing import time_cases
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.embedded import DEFAULT_MODEL, load_base_model
+from transformers_ccm.modeling import CACHE_ARGUMENT
 
 
 def filled_caches(model: CCMForCausalLM, kv_length: int, seed: int = 0) -> tuple[DynamicCache, CompressedMemoryCache]:
@@ -31,7 +32,7 @@ def filled_caches(model: CCMForCausalLM, kv_length: int, seed: int = 0) -> tuple
     ids = torch.randint(0, vocabulary, (1, kv_length), generator=generator).to(model.device)
     dynamic = DynamicCache(config=model.base_model.config)
     with torch.no_grad():
-        model.base_model(input_ids=ids, past_key_values=dynamic, use_cache=True)
+        model.base_model(input_ids=ids, use_cache=True, **{CACHE_ARGUMENT: dynamic})
     memory = model.new_cache()
     for layer, source in zip(memory.layers, dynamic.layers, strict=True):
         layer.set_memory(source.keys, source.values)
@@ -49,10 +50,10 @@ def step_cases(model: CCMForCausalLM, kv_length: int) -> dict[str, Callable[[], 
     token = torch.tensor([[7]], device=model.device)
 
     def dynamic_step() -> torch.Tensor:
-        return model.base_model(input_ids=token, past_key_values=_copy(dynamic)).logits
+        return model.base_model(input_ids=token, **{CACHE_ARGUMENT: _copy(dynamic)}).logits
 
     def ccm_step() -> torch.Tensor:
-        return model.base_model(input_ids=token, past_key_values=memory.copy()).logits
+        return model.base_model(input_ids=token, **{CACHE_ARGUMENT: memory.copy()}).logits
 
     return {"dynamic_cache": dynamic_step, "ccm": ccm_step}
 

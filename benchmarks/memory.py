@@ -21,6 +21,7 @@ from benchmarks.workload import (
 )
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.evaluation import kv_bytes_per_token
+from transformers_ccm.modeling import CACHE_ARGUMENT
 
 # The paper's Table 1: MetaICL at t = 16 with LLaMA-7B in fp16; context KV lengths 800 / 128 / 8.
 PAPER_STEP = 16
@@ -35,7 +36,7 @@ def measure(subject: Subject, workload: Workload, steps: int) -> dict[str, list[
     held: dict[str, list[int]] = {FULL_CONTEXT: []}
     cache = DynamicCache(config=subject.base.config)
     for step in range(1, steps + 1):
-        subject.base(input_ids=workload.step(vocab, "context", step), past_key_values=cache, logits_to_keep=1)
+        subject.base(input_ids=workload.step(vocab, "context", step), logits_to_keep=1, **{CACHE_ARGUMENT: cache})
         held[FULL_CONTEXT].append(cache_bytes(cache))
     for name, model in subject.ccm.items():
         memory, held[name] = model.new_cache(1), []

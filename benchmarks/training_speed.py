@@ -16,6 +16,7 @@ from benchmarks.workload import Subject, Workload
 from transformers_ccm import CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.masks import update_coefficient
+from transformers_ccm.modeling import CACHE_ARGUMENT
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -76,9 +77,9 @@ def recurrent_loss(model: CCMForCausalLM, samples: Sequence[OnlineSample]) -> to
             base(
                 inputs_embeds=model.embed(ids, is_comp),
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{CACHE_ARGUMENT: cache},
             )
         new = [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
         memory = _update(memory, new, step + 1, model)
@@ -92,8 +93,8 @@ def recurrent_loss(model: CCMForCausalLM, samples: Sequence[OnlineSample]) -> to
             input_ids=ids,
             labels=labels,
             position_ids=positions,
-            past_key_values=DynamicCache(ddp_cache_data=memory),
             use_cache=True,
+            **{CACHE_ARGUMENT: DynamicCache(ddp_cache_data=memory)},
         ).loss
 
 

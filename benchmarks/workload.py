@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.embedded import DEFAULT_MODEL, load_base_model, resolve_name
 from transformers_ccm.evaluation import kv_bytes_per_token
+from transformers_ccm.modeling import CACHE_ARGUMENT, passed_cache
 
 TurnKind = Literal["context", "dialogue"]
 NO_CONTEXT = "no context"
@@ -92,7 +93,7 @@ class Subject:
         return kv_bytes_per_token(next(iter(self.ccm.values())))
 
     def modules(self) -> list[nn.Module]:
-        """Every module that receives `past_key_values`."""
+        """Every module that receives the cache argument."""
         return [self.base, *(model.base_model for model in self.ccm.values())]
 
 
@@ -161,7 +162,7 @@ class PeakKV:
             handle.remove()
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if cache is not None:
             self.bytes = max(self.bytes, cache_bytes(cache))
 
@@ -190,7 +191,7 @@ def build_states(subject: Subject, workload: Workload, steps: Sequence[int], kin
     for step in steps:
         missing = workload.history(vocab, kind, step - 1)[:, cache.get_seq_length() :]
         if missing.shape[1]:
-            subject.base(input_ids=missing, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            subject.base(input_ids=missing, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
         states.full_context[step] = copy.deepcopy(cache)
     generation = workload.generation(subject.base)
     for name, model in subject.ccm.items():
@@ -238,7 +239,7 @@ def turn_cases(
         ids = torch.cat([workload.history(vocab, states.kind, step - 1).repeat(batch, 1), new], dim=1)
 
         def turn() -> None:
-            base.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **generation)
+            base.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_ARGUMENT: cache}, **generation)
             cache.crop(history - cache.get_seq_length())
 
         return turn

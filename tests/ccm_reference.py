@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from transformers_ccm import CCMForCausalLM
+from transformers_ccm.modeling import CACHE_ARGUMENT
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -39,7 +40,7 @@ def _run(
     positions = torch.arange(start, start + length)[None]
     tokens = torch.tensor([list(ids)]) if ids is not None else None
     return model.base_model(
-        input_ids=tokens, inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        input_ids=tokens, inputs_embeds=embeds, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache}
     ).logits[0]
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from transformers_ccm import CCMForCausalLM
+from transformers_ccm.modeling import CACHE_ARGUMENT
 from transformers_ccm.streaming import StreamingConfig
 
 
@@ -66,7 +67,9 @@ class ReferenceStream:
         start, q = len(held), embeds.shape[1]
         positions = torch.arange(start, start + q)
         out = self.model.base_model(
-            inputs_embeds=embeds, position_ids=positions[None].expand(embeds.shape[0], -1), past_key_values=cache
+            inputs_embeds=embeds,
+            position_ids=positions[None].expand(embeds.shape[0], -1),
+            **{CACHE_ARGUMENT: cache},
         )
         slots = []
         for i in range(q):

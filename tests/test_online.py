@@ -1,5 +1,7 @@
 """Online inference through CompressedMemoryCache: equal to the parallel forward, generate(), folding, batching."""
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -98,6 +100,35 @@ def test_greedy_generate_equals_teacher_forced_parallel(architecture, update):
         logits = parallel_logits(model, [OnlineSample(contexts, prompt, expected[len(prompt) :])])[0]
         expected.append(int(logits[-1].argmax()))
     assert generated[0].tolist() == expected
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_the_cache_argument_under_either_name(architecture):
+    """transformers 5.24 calls the cache argument `cache`; `past_key_values` stays accepted. Both names give the
+    same tokens and the same memory, no deprecation warning is raised, and both at once are refused."""
+    model = tiny_ccm(architecture)
+    prompt = torch.tensor([[20, 21]])
+    runs = []
+    for name in ("cache", "past_key_values"):
+        cache = model.new_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model.compress(cache, torch.tensor([[5, 6, 7]]))
+            sequence = model.generate(prompt, max_new_tokens=4, do_sample=False, **{name: cache})
+            model.compress(cache)
+            logits = model(input_ids=prompt, **{name: cache}).logits
+        runs.append((sequence, logits, cache))
+    (sequence_a, logits_a, cache_a), (sequence_b, logits_b, cache_b) = runs
+    assert torch.equal(sequence_a, sequence_b) and torch.equal(logits_a, logits_b)
+    assert cache_a.memory_length == cache_b.memory_length == 2 * model.config.num_comp_tokens
+    for a, b in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    keys = [layer.keys.clone() for layer in cache_a.layers]
+    with pytest.raises(TypeError, match="Give the cache once"):
+        model.generate(prompt, cache=cache_a, past_key_values=cache_a, max_new_tokens=2)
+    with pytest.raises(TypeError, match="Give the cache once"):
+        model(input_ids=prompt, cache=cache_a, past_key_values=cache_a)
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, cache_a.layers, strict=True))
 
 
 class TokenCounter:

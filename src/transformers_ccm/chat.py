@@ -10,7 +10,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.evaluation import kv_bytes_per_token
-from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
 
 _SENTINEL = "CCM-MESSAGE-SENTINEL"
 
@@ -100,7 +100,7 @@ class _Conversation:
         the ids that close the turn as the template writes it but were not generated)."""
         output = model.generate(
             torch.tensor([input_ids], device=self.model.device),
-            past_key_values=cache,
+            **({} if cache is None else {CACHE_ARGUMENT: cache}),
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
             eos_token_id=self._end_of_turn,

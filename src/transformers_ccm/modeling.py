@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 TrainingAttention = Literal["auto", "dense", "flex"]
 TRAINING_ATTENTION: tuple[str, ...] = ("auto", "dense", "flex")
 
+# transformers 5.24 renamed the cache argument of `forward()`/`generate()` and the output field from
+# `past_key_values` to `cache`, keeping the old name as a deprecated alias; the base model is called with the
+# name of the installed version, and a caller may use either.
+CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
 TESTED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -164,20 +170,22 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             input_ids, segment_ids, position_ids: `(batch, seq)` long; see `transformers_ccm.masks`.
             comp_mask: `(batch, seq)` bool, True at `<COMP>` tokens.
             labels: `(batch, seq)` long, -100 except at output tokens; the loss is next-token NLL on those.
-            past_key_values: online only: the memory to attend to; the new tokens join its current turn.
+            past_key_values: online only: the memory to attend to; the new tokens join its current turn (also
+                accepted as `cache`, transformers' name since 5.24).
             attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
             logits_at_labels: training only: run the LM head only at the positions that predict a label (the
                 same loss, a fraction of the head's cost); `out.logits` then holds those positions only,
                 `(batch, positions, vocab)`, the positions being where any row of the batch has a label next.
         """
+        past_key_values = _given_cache(past_key_values, kwargs)
         if isinstance(past_key_values, CompressedMemoryCache):
             return self._online_forward(past_key_values, input_ids, attention_mask, labels, **kwargs)
         if past_key_values is not None:
             return self.base_model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 labels=labels,
+                **{CACHE_ARGUMENT: past_key_values},
                 **kwargs,
             )
         if segment_ids is None or comp_mask is None or position_ids is None or input_ids is None:
@@ -289,8 +297,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 self.base_model(
                     inputs_embeds=torch.cat([ordinary, comp], dim=1),
                     attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1),
-                    past_key_values=cache,
                     logits_to_keep=1,
+                    **{CACHE_ARGUMENT: cache},
                 )
             cache.fold(n, rows)
 
@@ -326,14 +334,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         past_key_values: CompressedMemoryCache | None = None,
         **kwargs: Any,
     ) -> Any:
-        """transformers' `generate()` on `I(t)`, attending to the memory in `past_key_values`.
+        """transformers' `generate()` on `I(t)`, attending to the memory in `past_key_values` (or `cache`).
 
         Every generation mode and argument of transformers works (greedy, sampling, beam search, streamers,
         stopping criteria). The turn stays in the cache for `compress(cache)` to fold; with several returned
         sequences per row the caller picks one and compresses it with `compress(cache, ids)`. If generation
         fails, the cache is left as it was.
         """
-        cache = past_key_values if past_key_values is not None else self.new_cache(input_ids.shape[0])
+        given = _given_cache(past_key_values, kwargs)
+        cache = given if given is not None else self.new_cache(input_ids.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
         self._check_cache(cache)
@@ -352,7 +361,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 run_cache = cache.copy()
                 run_cache.batch_repeat_interleave(expand)
             output = self.base_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, past_key_values=run_cache, **kwargs
+                input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: run_cache}, **kwargs
             )
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             if num_sequences > 1:
@@ -360,15 +369,17 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             generated = sequences[:, input_ids.shape[1] :]
             if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
                 self.base_model(
-                    input_ids=sequences if expand > 1 else generated[:, -1:], past_key_values=cache, logits_to_keep=1
+                    input_ids=sequences if expand > 1 else generated[:, -1:],
+                    logits_to_keep=1,
+                    **{CACHE_ARGUMENT: cache},
                 )
                 return output
             if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
                 self.base_model(
                     input_ids=torch.cat([input_ids, generated[:, :-1]], dim=1),
                     attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
-                    past_key_values=cache,
                     logits_to_keep=1,
+                    **{CACHE_ARGUMENT: cache},
                 )
             eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
             cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
@@ -395,17 +406,17 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
                 return self.base_model(
-                    **{name: tokens}, attention_mask=attention_mask, past_key_values=cache, labels=labels, **kwargs
+                    **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
                 )
             cache.input_mask(attention_mask)
             keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
             logits = [
-                self.base_model(**{name: piece}, past_key_values=cache, **kwargs).logits
+                self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs).logits
                 for piece in tokens.split(step, dim=1)
             ]
         every = torch.cat(logits, dim=1)
         output = CausalLMOutputWithPast(
-            logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], past_key_values=cache
+            logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], **{CACHE_ARGUMENT: cache}
         )
         if labels is not None:
             output.loss = self.base_model.loss_function(
@@ -418,7 +429,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Forward pre-hook of the base model: with a `CompressedMemoryCache`, the cache decides the mask and the
         logical positions. Runs at every decoding step, so it does only what the step needs."""
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)
         if not isinstance(cache, CompressedMemoryCache):
             return None
         if args:
@@ -449,7 +460,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             return tokens
         pieces = tokens.split(step, dim=1)
         for piece in pieces[:-1]:
-            self.base_model(**{name: piece}, past_key_values=cache, logits_to_keep=1)
+            self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, logits_to_keep=1)
         return pieces[-1]
 
     def _make_room(self, cache: CompressedMemoryCache, new: int) -> None:
@@ -464,8 +475,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     inputs_embeds=comp,
                     attention_mask=mask,
                     position_ids=position_ids,
-                    past_key_values=prefix,
                     use_cache=True,
+                    **{CACHE_ARGUMENT: prefix},
                     logits_to_keep=1,
                 )
             cache.fold_chunk(prefix)
@@ -590,3 +601,16 @@ def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> to
     mean, std = embedded.mean(dim=0), embedded.std(dim=0)
     noise = torch.randn(num_comp_tokens, mean.shape[-1], device=mean.device) * 0.1 * std
     return (mean + noise).to(embedding.weight.dtype)
+
+
+def passed_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache in the keyword arguments of a forward, under either name (None if there is none)."""
+    return next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+
+
+def _given_cache(past_key_values: Any, kwargs: dict[str, Any]) -> Any:
+    """The cache a caller gave under either name (`kwargs` loses `cache`); refuses two."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None:
+        raise TypeError("Give the cache once, as cache= or as past_key_values= (the same argument), not both.")
+    return cache if cache is not None else past_key_values
