@@ -23,7 +23,8 @@ test: install
 # continuing it with self-distillation from full context on the mixture of many wordings (about 30 minutes);
 # then 120 steps of 8 on a mixture weighted toward ICL, with distillation (about an hour); then 200 steps of 8
 # distilled from the fine-tuned full-context baseline (`make full-context-baseline`, shipped as
-# ccm:smollm2-full-context; about 65 minutes). Merge: the same first stage, then 200 steps of 8 distilled from
+# ccm:smollm2-full-context; about 65 minutes); then 150 steps of 8 with the same teacher on a mixture with long
+# chats (about 50 minutes). Merge: the same first stage, then 200 steps of 8 distilled from
 # the fine-tuned full-context baseline (about 52 minutes). On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
 ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
@@ -40,12 +41,16 @@ adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-concat \
 		--task "icl:2,personalization:2,dialogue:1" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
 		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stage4-concat
+	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage4-concat \
+		--task "icl:1,personalization:2,dialogue:1,chat:3" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
+		--learning-rate 5e-4 --steps 150 --batch-size 8 --eval-every 50 --eval-samples 16 --seed 3 \
+		--output-dir out/stage5-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-merge \
 		--task "icl:2,personalization:2,dialogue:1" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
 		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stage2-merge
-	cd out/stage4-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage5-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage2-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
@@ -63,7 +68,7 @@ full-context-baseline: install
 	cd out/fc/stage3 && cp $(ADAPTER_FILES) ../../../$(SHIPPED)/smollm2-full-context/
 
 # About an hour on 2 CPU cores: the largest time step, 96 samples per wording set for ICL and personalization,
-# 48 for dialogue, against the base model and the fine-tuned full-context baseline (the full default, every
+# 48 for dialogue and long chats (t = 8), against the base model and the fine-tuned full-context baseline (the full default, every
 # time step at 200 samples, takes hours on a CPU).
 EVAL = $(PYTHON) -m transformers_ccm.cli eval --adapters ccm:smollm2-concat ccm:smollm2-merge \
 	--full-context-adapter ccm:smollm2-full-context
@@ -72,6 +77,7 @@ results: install
 	$(EVAL) --tasks icl --steps 16 --samples 96 --output-dir docs/results/icl-t16
 	$(EVAL) --tasks personalization --steps 16 --samples 96 --output-dir docs/results/personalization-t16
 	$(EVAL) --tasks dialogue --steps 12 --samples 48 --output-dir docs/results/dialogue-t12
+	$(EVAL) --tasks chat --steps 8 --samples 48 --output-dir docs/results/chat-t8
 
 # Streaming (about 55 + 65 + 55 minutes on 2 CPU cores, then about 10): the shipped streaming adapter, trained
 # on the training split of the Python reference, continued on varied text (the reference and the standard
