@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from streaming_reference import ReferenceStream
 from tiny_models import VOCAB, tiny_ccm
 from transformers_ccm import StreamingConfig
+from transformers_ccm.modeling import CACHE_ARGUMENT
 from transformers_ccm.streaming import KeyRotation
 
 ROTARY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt-neox", "olmo")
@@ -23,7 +24,7 @@ def keys_at(model, ids, start):
     cache = DynamicCache()
     positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
     with torch.no_grad(), model.adapter_disabled():
-        model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache)
+        model.base_model(input_ids=ids, position_ids=positions, **{CACHE_ARGUMENT: cache})
     return [layer.keys for layer in cache.layers]
 
 
