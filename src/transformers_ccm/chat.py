@@ -100,7 +100,7 @@ class _Conversation:
         the ids that close the turn as the template writes it but were not generated)."""
         output = model.generate(
             torch.tensor([input_ids], device=self.model.device),
-            **({} if cache is None else {CACHE_ARGUMENT: cache}),
+            **{CACHE_ARGUMENT: cache},
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
             eos_token_id=self._end_of_turn,
