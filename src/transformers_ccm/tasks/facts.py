@@ -29,8 +29,15 @@ FACTS: dict[str, Fact] = {
     "name": Fact(
         "first_name",
         Phrasings(
-            ("My name is {v}.", "I'm {v}, by the way.", "Call me {v}.", "People call me {v}."),
-            ("The name's {v}.", "You can call me {v}, that's my name."),
+            (
+                "My name is {v}.",
+                "I'm {v}, by the way.",
+                "Call me {v}.",
+                "People call me {v}.",
+                "{v} here, back with another question.",
+                "Everyone at home calls me {v}, so you can too.",
+            ),
+            ("The name's {v}.", "You can call me {v}, that's my name.", "It's {v} again, hope your day is going well."),
         ),
         Phrasings(
             ("Do you remember my name?", "What is my name?", "What did I say my name was?"),
@@ -43,8 +50,15 @@ FACTS: dict[str, Fact] = {
     "job": Fact(
         "job",
         Phrasings(
-            ("I work as {a}.", "I'm {a} by profession.", "My job? I'm {a}.", "These days I earn my living as {a}."),
-            ("For work, I'm {a}.", "I've been {a} for years now."),
+            (
+                "I work as {a}.",
+                "I'm {a} by profession.",
+                "My job? I'm {a}.",
+                "These days I earn my living as {a}.",
+                "After a long shift as {a} I just want to sit down.",
+                "Being {a} keeps me busy most weekdays.",
+            ),
+            ("For work, I'm {a}.", "I've been {a} for years now.", "Since I work as {a}, my mornings start early."),
         ),
         Phrasings(
             ("What do I do for a living?", "What is my job?", "What did I say I work as?"),
@@ -57,7 +71,8 @@ FACTS: dict[str, Fact] = {
     "home": Fact(
         "state",
         Phrasings(
-            ("I live in {v}.", "Home for me is {v}.", "I'm based in {v}."), ("I moved to {v} and still live there.",)
+            ("I live in {v}.", "Home for me is {v}.", "I'm based in {v}.", "It's been raining all week here in {v}."),
+            ("I moved to {v} and still live there.", "Winters at my place in {v} are long."),
         ),
         Phrasings(("Where do I live again?", "Which state do I live in?"), ("Remind me where my home is?",)),
         Phrasings(
@@ -69,11 +84,23 @@ FACTS: dict[str, Fact] = {
     "friend": Fact(
         "first_name",
         Phrasings(
-            ("My best friend is called {v}.", "My closest friend is {v}.", "I spent the day with my friend {v}."),
-            ("{v} has been my best friend since school.",),
+            (
+                "My best friend is called {v}.",
+                "My closest friend is {v}.",
+                "I spent the day with my friend {v}.",
+                "I'm having dinner with my friend {v} tonight.",
+                "My friend {v} is helping me move next week.",
+                "{v}, a friend of mine, just got back from abroad.",
+            ),
+            ("{v} has been my best friend since school.", "I was chatting with my friend {v} about it yesterday."),
         ),
         Phrasings(
-            ("What is my best friend called?", "Who is my best friend?", "What was my friend's name?"),
+            (
+                "What is my best friend called?",
+                "Who is my best friend?",
+                "What was my friend's name?",
+                "Do you recall my friend's name?",
+            ),
             ("Which friend did I tell you about?",),
         ),
         Phrasings(
@@ -86,8 +113,13 @@ FACTS: dict[str, Fact] = {
     "hobby": Fact(
         "hobby",
         Phrasings(
-            ("In my free time I love {v}.", "My favourite hobby is {v}.", "I spend most weekends on {v}."),
-            ("Nothing relaxes me like {v}.",),
+            (
+                "In my free time I love {v}.",
+                "My favourite hobby is {v}.",
+                "I spend most weekends on {v}.",
+                "I spent all Sunday on {v}, so I'm a bit tired today.",
+            ),
+            ("Nothing relaxes me like {v}.", "I was so busy with {v} last night that I forgot to eat."),
         ),
         Phrasings(("What is my hobby?", "What do I do in my free time?"), ("What did I say I do for fun?",)),
         Phrasings(
@@ -100,7 +132,8 @@ FACTS: dict[str, Fact] = {
     "pet": Fact(
         "pet",
         Phrasings(
-            ("I have {a} at home.", "My pet is {a}.", "I just adopted {a}."), ("There's {a} waiting for me at home.",)
+            ("I have {a} at home.", "My pet is {a}.", "I just adopted {a}.", "My {v} woke me up at five again."),
+            ("There's {a} waiting for me at home.", "Sorry if I'm slow, my {v} keeps sitting on the keyboard."),
         ),
         Phrasings(("What pet do I have?", "What kind of pet did I mention?"), ("Which animal lives with me?",)),
         Phrasings(
@@ -112,7 +145,12 @@ FACTS: dict[str, Fact] = {
     "language": Fact(
         "language",
         Phrasings(
-            ("I am learning {v} at the moment.", "I practise my {v} every evening."), ("I've started {v} lessons.",)
+            (
+                "I am learning {v} at the moment.",
+                "I practise my {v} every evening.",
+                "My {v} homework took me all evening.",
+            ),
+            ("I've started {v} lessons.", "I missed my {v} class today because of the rain."),
         ),
         Phrasings(("Which language am I learning?", "What language am I studying?"), ("Which lessons did I start?",)),
         Phrasings(
@@ -125,7 +163,12 @@ FACTS: dict[str, Fact] = {
     "color": Fact(
         "color",
         Phrasings(
-            ("My favourite colour is {v}.", "I painted my room {v} this weekend."), ("I wear {v} whenever I can.",)
+            (
+                "My favourite colour is {v}.",
+                "I painted my room {v} this weekend.",
+                "I bought another {v} jumper, since {v} is my favourite colour.",
+            ),
+            ("I wear {v} whenever I can.", "Nothing beats {v}, my favourite colour, for a new bike."),
         ),
         Phrasings(("What is my favourite colour?", "Which colour do I like best?"), ("What colour did I say I love?",)),
         Phrasings(
@@ -137,7 +180,10 @@ FACTS: dict[str, Fact] = {
     ),
     "country": Fact(
         "country",
-        Phrasings(("I grew up in {v}.", "I was born in {v}."), ("My family comes from {v}.",)),
+        Phrasings(
+            ("I grew up in {v}.", "I was born in {v}.", "Back when I was a kid in {v}, summers felt endless."),
+            ("My family comes from {v}.", "My grandmother still cooks the dishes we ate growing up in {v}."),
+        ),
         Phrasings(("Where did I grow up?", "Which country am I from?"), ("Where is my family from?",)),
         Phrasings(
             ("Which country is this user from?", "Where did this user grow up?"),
