@@ -22,7 +22,7 @@ from transformers_ccm.tasks import (
     save_jsonl,
     wording_ids,
 )
-from transformers_ccm.tasks.dialogue import ASIDES
+from transformers_ccm.tasks.dialogue import ASIDES, varied_exchange
 from transformers_ccm.tasks.document import passages
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK
 from transformers_ccm.tasks.icl import varied_frame
@@ -177,6 +177,37 @@ def test_varied_frames_are_many_and_read_as_they_are_written(seed, entity):
     assert not prompt.endswith(" ") and output.strip().startswith("north")
     held_out = {part for w in WORDINGS["icl"] if w.held_out for part in _literal_parts(w.demonstration)}
     assert not [part for part in held_out if part in frame]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), question=st.sampled_from(["What is my name?", "Hmm, who am I?"]))
+def test_varied_exchanges_are_many_and_read_as_they_are_written(seed, question):
+    """Every varied exchange holds the user's turn, then the reply; cut at the reply, prompt + output is the
+    exchange as written; and it shares no speaker or bracket with a held-out wording."""
+    exchange = varied_exchange(random.Random(seed))
+    assert exchange.count("{user}") == exchange.count("{answer}") == 1
+    assert exchange.index("{user}") < exchange.index("{answer}")
+    prompt, output = at_answer(exchange, "You're Ada.", user=question)
+    assert prompt + output == exchange.format(user=question, answer="You're Ada.").rstrip()
+    assert not prompt.endswith(" ") and output.strip().startswith("You're Ada.")
+    held_out = {
+        part
+        for family in ("dialogue", "chat")
+        for w in WORDINGS[family]
+        if w.held_out
+        for part in _literal_parts(w.exchange)
+    }
+    assert not [part for part in held_out if part in exchange]
+
+
+@pytest.mark.parametrize("family", ["dialogue", "chat"])
+def test_varied_dialogues_give_many_speakers_in_training(family):
+    first_lines = {
+        built.sample.contexts[0].split("\n")[0].split(" ")[0]
+        for built in make_task_samples(family, "train", 300, seed=0, steps=1)
+        if built.wording == f"{family}/varied"
+    }
+    assert len(first_lines) >= 15
 
 
 def test_varied_wording_gives_many_frames_in_training():

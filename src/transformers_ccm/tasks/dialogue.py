@@ -25,13 +25,50 @@ from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
 @dataclass(frozen=True)
 class DialogueWording:
     """One exchange (`{user}`, then `{answer}` for the assistant); `natural`: facts come among small talk;
-    `long_replies`: the assistant rambles on as a chat model does (the `chat` family)."""
+    `long_replies`: the assistant rambles on as a chat model does (the `chat` family); `varied`: speakers and
+    layout composed anew for every dialogue (then `exchange` is unused)."""
 
     id: str
     exchange: str
     natural: bool = False
     held_out: bool = False
     long_replies: bool = False
+    varied: bool = False
+
+    def frame(self, rng: random.Random) -> str:
+        """The exchange template of one dialogue."""
+        return varied_exchange(rng) if self.varied else self.exchange
+
+
+# Parts of varied transcripts. None belongs to a held-out wording (no "A"/"B", "Me"/"Helper" or square
+# brackets), and no upper-case name ends in "A" or "B", so unseen wordings stay unseen.
+_USER_NAMES = (
+    "User", "Human", "Customer", "Client", "Guest", "Visitor", "Caller", "Student", "Patient", "Member", "Reader",
+    "Person", "Traveller", "Learner", "You",
+)  # fmt: skip
+_ASSISTANT_NAMES = (
+    "Assistant", "AI", "Agent", "Support", "Host", "Advisor", "Chatbot", "Model", "Tutor", "Guide", "Companion",
+    "Operator", "Concierge", "Bot", "Expert",
+)  # fmt: skip
+_SPEAKER_SEPARATORS = (": ", ": ", " - ", " > ", " | ", ":: ")
+
+
+def varied_exchange(rng: random.Random) -> str:
+    """An exchange template composed at random: speaker names (as written, lower or upper case) before each turn on
+    its line, as headings above it, or in angle brackets; one of several endings."""
+    case = rng.choice((str.strip, str.strip, str.lower, str.upper))  # as written, or all lower or upper case
+    user, assistant = case(rng.choice(_USER_NAMES)), case(rng.choice(_ASSISTANT_NAMES))
+    layout = rng.randrange(3)
+    if layout == 0:
+        separator = rng.choice(_SPEAKER_SEPARATORS)
+        body = f"{user}{separator}{{user}}\n{assistant}{separator}{{answer}}"
+    elif layout == 1:
+        heading = rng.choice(("### ", "## ", "**"))
+        close = ":**" if heading == "**" else ""
+        body = f"{heading}{user}{close}\n{{user}}\n{heading}{assistant}{close}\n{{answer}}"
+    else:
+        body = f"<{user}> {{user}}\n<{assistant}> {{answer}}"
+    return body + rng.choice(("\n", "\n", "\n\n", "\n---\n"))
 
 
 CHATML = "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
@@ -40,6 +77,7 @@ WORDINGS = (
     DialogueWording("dialogue/chatml-natural", CHATML, natural=True),
     DialogueWording("dialogue/user-assistant", "User: {user}\nAssistant: {answer}\n"),
     DialogueWording("dialogue/human-ai-natural", "Human: {user}\nAI: {answer}\n\n", natural=True),
+    DialogueWording("dialogue/varied", "", varied=True),
     DialogueWording("dialogue/chatml-rephrased", CHATML, natural=True, held_out=True),
     DialogueWording("dialogue/a-b", "A: {user}\nB: {answer}\n", natural=True, held_out=True),
     DialogueWording("dialogue/bracketed", "[user] {user}\n[assistant] {answer}\n", held_out=True),
@@ -49,6 +87,7 @@ CHAT_WORDINGS = (
     DialogueWording("chat/chatml-plain", CHATML, long_replies=True),
     DialogueWording("chat/user-assistant", "User: {user}\nAssistant: {answer}\n\n", natural=True, long_replies=True),
     DialogueWording("chat/you-bot", "You: {user}\nBot: {answer}\n", natural=True, long_replies=True),
+    DialogueWording("chat/varied", "", natural=True, long_replies=True, varied=True),
     DialogueWording("chat/chatml-rephrased", CHATML, natural=True, held_out=True, long_replies=True),
     DialogueWording(
         "chat/me-helper", "Me: {user}\nHelper: {answer}\n\n", natural=True, held_out=True, long_replies=True
@@ -90,8 +129,9 @@ def dialogue_sample(rng: random.Random, split: Split, steps: int, wording: Dialo
             answer = fill(FACTS[kind].recalls.pick(rng, held_out), facts[kind])
             exchanges.append((_with_aside(rng, FACTS[kind].questions.pick(rng, held_out), held_out), answer))
         question = _with_aside(rng, question, held_out)
-    prompt, output = at_answer(wording.exchange, recall, user=question)
-    contexts = [wording.exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
+    exchange = wording.frame(rng)
+    prompt, output = at_answer(exchange, recall, user=question)
+    contexts = [exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
     return OnlineSample(contexts, prompt, output), tuple(facts.values())
 
 
