@@ -26,8 +26,11 @@ test: install
 # ccm:smollm2-full-context; about 65 minutes); then 150 steps of 8 with the same teacher on a mixture with long
 # chats (about 50 minutes); then 200 steps of 8 with facts said in passing and varied transcripts (about 55
 # minutes). Merge: the same first stage, then 200 steps of 8 distilled from
-# the fine-tuned full-context baseline (about 52 minutes), then 100 steps of 8 with long chats (about 35 minutes), then 50 steps of 8 as concat's last stage (about 16 minutes). On a GPU, see docs/training.md.
+# the fine-tuned full-context baseline (about 52 minutes), then 100 steps of 8 with long chats (about 35 minutes),
+# then 50 steps of 8 as concat's last stage (about 16 minutes). On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
+# Options every stage distilled from the fine-tuned full-context baseline shares.
+DISTILLED_STAGE = --distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 8 --eval-samples 16
 ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
 
 adapters: install
@@ -40,28 +43,28 @@ adapters: install
 		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
 		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stage3-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-concat \
-		--task "icl:2,personalization:2,dialogue:1" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stage4-concat
+		--task "icl:2,personalization:2,dialogue:1" $(DISTILLED_STAGE) \
+		--steps 200 --eval-every 50 --output-dir out/stage4-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage4-concat \
-		--task "icl:1,personalization:2,dialogue:1,chat:3" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 150 --batch-size 8 --eval-every 50 --eval-samples 16 --seed 3 \
+		--task "icl:1,personalization:2,dialogue:1,chat:3" $(DISTILLED_STAGE) \
+		--steps 150 --eval-every 50 --seed 3 \
 		--output-dir out/stage5-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage5-concat \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --seed 4 \
+		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
+		--steps 200 --eval-every 50 --seed 4 \
 		--output-dir out/stage6-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-merge \
-		--task "icl:2,personalization:2,dialogue:1" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 200 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stage2-merge
+		--task "icl:2,personalization:2,dialogue:1" $(DISTILLED_STAGE) \
+		--steps 200 --eval-every 50 --output-dir out/stage2-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-merge \
-		--task "icl:1,personalization:2,dialogue:1,chat:3" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 100 --batch-size 8 --eval-every 50 --eval-samples 16 --seed 3 \
+		--task "icl:1,personalization:2,dialogue:1,chat:3" $(DISTILLED_STAGE) \
+		--steps 100 --eval-every 50 --seed 3 \
 		--output-dir out/stage3-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-merge \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" --distill-weight 1 --distill-teacher ccm:smollm2-full-context \
-		--learning-rate 5e-4 --steps 50 --batch-size 8 --eval-every 25 --eval-samples 16 --seed 4 \
+		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
+		--steps 50 --eval-every 25 --seed 4 \
 		--output-dir out/stage4-merge
 	cd out/stage6-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage4-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
@@ -98,7 +101,7 @@ results: install
 # streaming cache with its default schedule); then CCM against StreamingLLM at the same KV size.
 stream-adapter: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task text --compress-chunk 64 --update concat --num-comp-tokens 2 \
-		--steps 150 --batch-size 8 --eval-every 50 --eval-samples 16 --output-dir out/stream-stage1
+		--steps 150 --eval-every 50 --output-dir out/stream-stage1
 	$(PYTHON) -m transformers_ccm.cli train --model default --task text-varied --compress-chunk 32 \
 		--init-adapter out/stream-stage1 --supervision dense --distill-weight 1 --learning-rate 5e-4 \
 		--steps 160 --batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stream-stage2
