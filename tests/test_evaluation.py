@@ -11,6 +11,8 @@ from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
     FINETUNED,
+    difference_interval,
+    difference_text,
     gain_recovered,
     gain_recovered_interval,
     gain_text,
@@ -98,6 +100,28 @@ def test_gain_recovered_interval_is_paired():
         gain_recovered_interval(no, full, noisy[:-1], "perplexity")
 
 
+def test_difference_interval_is_paired():
+    """A second adapter a fixed 0.1 nats per token better on every sample: tight around 0.1, though the samples
+    themselves vary far more than that; the same scores differ by exactly 0."""
+    rng = random.Random(0)
+    first = [(rng.uniform(1, 5) * 8, 8) for _ in range(50)]
+    better = [(nll - 0.1 * tokens, tokens) for nll, tokens in first]
+    low, high = difference_interval(first, better, "perplexity")
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    assert difference_interval(first, first, "perplexity") == (0.0, 0.0)
+    noisy = [(nll + rng.uniform(-4, 4), tokens) for nll, tokens in better]
+    low, high = difference_interval(first, noisy, "perplexity")
+    point = (sum(n for n, _ in first) - sum(n for n, _ in noisy)) / sum(t for _, t in first)
+    assert low < point < high and high - low < 0.3
+    right, wrong = [(1.0, 1)] * 30 + [(0.0, 1)] * 10, [(0.0, 1)] * 40
+    low, high = difference_interval(wrong, right, "accuracy")
+    assert 0 < low <= 0.75 <= high < 1
+    text = difference_text({"method": "ccm-merge:old", "value": 0.1, "interval": [0.05, 0.15]}, "perplexity")
+    assert text == "x0.90 [0.86, 0.95] perplexity vs ccm-merge:old" and difference_text(None, "accuracy") == "-"
+    with pytest.raises(ValueError, match="same samples"):
+        difference_interval(first, better[:-1], "perplexity")
+
+
 def test_no_gain_to_recover_gives_no_interval():
     no = [(1.0, 1)] * 10 + [(0.0, 1)] * 10
     full = no[::-1]  # other samples right, the same accuracy
@@ -134,6 +158,7 @@ def test_full_context_reads_plain_text_with_the_adapter_only_when_unconditional(
 
 def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, tokenizer, tmp_path):
     tuned = _model(tokenizer, seed=3, conditional_lora=False)
+    other = _model(tokenizer, seed=4, num_comp_tokens=1)
     results = []
     for wordings in ("seen", "unseen"):
         for steps in (1, 2):
@@ -142,23 +167,35 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
                 ("no_context", ccm, "no_context"),
                 ("full_context", ccm, "full_context"),
                 (FINETUNED, tuned, "full_context"),
-                ("ccm-concat", ccm, "ccm"),
+                ("ccm-concat:b", other, "ccm"),  # scored first: the one the other is compared with
+                ("ccm-concat:a", ccm, "ccm"),
             ):
                 score = score_samples(model, tokenizer, samples, method, "accuracy")
                 results.append({"task": "personalization", "wordings": wordings, **score.to_dict(), "method": name})
     summary = summarize(results)
     assert [(row["wordings"], row["steps"], row["method"]) for row in summary] == [
-        ("seen", 2, "ccm-concat"),
-        ("unseen", 2, "ccm-concat"),
+        ("seen", 2, "ccm-concat:a"),
+        ("seen", 2, "ccm-concat:b"),
+        ("unseen", 2, "ccm-concat:a"),
+        ("unseen", 2, "ccm-concat:b"),
     ]
+    for row in summary:
+        if row["method"] == "ccm-concat:b":
+            assert row["versus_first"] is None
+            continue
+        versus = row["versus_first"]
+        assert versus["method"] == "ccm-concat:b" and versus["interval"][0] <= versus["value"] <= versus["interval"][1]
+        first = next(r for r in summary if r["wordings"] == row["wordings"] and r["method"] == "ccm-concat:b")
+        assert versus["value"] == pytest.approx(row["ccm"] - first["ccm"])
     for row in summary:
         assert row["ccm_interval"][0] <= row["ccm"] <= row["ccm_interval"][1]
         assert row[FINETUNED] is not None and set(row["gain_recovered_finetuned"]) == {"value", "interval"}
         assert set(row["gain_recovered"]) == {"value", "interval"} and len(row["gain_recovered"]["interval"]) == 2
     assert json.loads(report_json(results, summary)) == json.loads(json.dumps({"results": results, "summary": summary}))
     table = markdown(results, summary)
-    assert "| personalization (t=2) | seen | ccm-concat |" in table
-    assert "| personalization (t=2) | unseen | ccm-concat |" in table
+    assert "| personalization (t=2) | seen | ccm-concat:a |" in table
+    assert "| personalization (t=2) | unseen | ccm-concat:b |" in table
+    assert "accuracy vs ccm-concat:b |" in table
     assert "| personalization | unseen | 1 | full_context_finetuned | accuracy |" in table
     plot(results, str(tmp_path / "eval.png"))
     assert (tmp_path / "eval.png").stat().st_size > 10_000

@@ -230,6 +230,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from transformers_ccm.evaluation import (
         FINETUNED,
+        difference_text,
         gain_text,
         markdown,
         plot,
@@ -282,11 +283,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
         versus_tuned = "" if tuned is None else f", {gain_text(tuned)} of the fine-tuned full-context gain"
+        versus_first = row["versus_first"]
+        paired = "" if versus_first is None else f"  {difference_text(versus_first, row['metric'])}"
         print(
             f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  "
             f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
             f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain_text(row['gain_recovered'])}{versus_tuned}  "
-            f"memory {row['context_memory_ratio']:.3f} of full context"
+            f"memory {row['context_memory_ratio']:.3f} of full context{paired}"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
 

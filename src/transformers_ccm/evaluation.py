@@ -3,8 +3,8 @@
 Accuracy follows the MetaICL protocol (the choice with the highest mean log-likelihood per token wins);
 perplexity is over the output tokens. Every method scores the same samples; the KV memory it needs is
 reported in tokens (context part and peak) and bytes. Every score comes with a 95% interval: Wilson's for
-accuracy, a bootstrap over samples for perplexity; gain recovered gets a paired bootstrap (the methods share
-their samples, so one resample of samples re-scores all of them).
+accuracy, a bootstrap over samples for perplexity; gain recovered and the difference between two adapters get
+a paired bootstrap (the methods share their samples, so one resample of samples re-scores all of them).
 """
 
 from __future__ import annotations
@@ -249,6 +249,30 @@ def gain_recovered_interval(
     return low, high
 
 
+def difference_interval(
+    first: Sequence[Sequence[float]], second: Sequence[Sequence[float]], metric: str
+) -> tuple[float, float]:
+    """95% paired-bootstrap interval of `second`'s score minus `first`'s, from their `per_sample` scores on the
+    same samples: in accuracy, or in minus the log-perplexity (so above 0 means `second` is better)."""
+    if len(first) != len(second):
+        raise ValueError(
+            f"A paired difference compares methods on the same samples; got {len(first)} and {len(second)} samples."
+        )
+    index = _resamples(len(first), seed=2)
+    differences = _log_score(second, metric, index) - _log_score(first, metric, index)
+    low, high = torch.quantile(differences, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+def _difference(first: Row, second: Row) -> Row:
+    """`second` against `first` (result rows on the same samples): the method compared with, the difference of
+    their scores as `difference_interval` measures it, and its 95% interval."""
+    metric = str(second["metric"])
+    difference = (_log_score(second["per_sample"], metric) - _log_score(first["per_sample"], metric)).item()
+    interval = difference_interval(first["per_sample"], second["per_sample"], metric)
+    return {"method": first["method"], "value": difference, "interval": list(interval)}
+
+
 FINETUNED = "full_context_finetuned"  # a full-context adapter (conditional_lora=False), the paper's upper bound
 WORDING_ORDER = ("seen", "unseen", "all")
 
@@ -264,7 +288,8 @@ def _gain(no_context: Row, full_context: Row, ccm: Row) -> Row:
 def summarize(results: Sequence[Row]) -> list[Row]:
     """Per task, wording set and CCM method, at the task's largest time step: the scores with their 95%
     intervals, the gain recovered against the base model with full context and, when scored, against the
-    fine-tuned full-context adapter, and the KV memory ratio."""
+    fine-tuned full-context adapter, the KV memory ratio and, for every CCM method after the first one scored,
+    its paired difference from that first one (`versus_first`)."""
     rows: list[Row] = []
     groups = sorted(
         {(str(r["task"]), str(r["wordings"])) for r in results}, key=lambda g: (g[0], WORDING_ORDER.index(g[1]))
@@ -274,6 +299,7 @@ def summarize(results: Sequence[Row]) -> list[Row]:
         steps = max(int(r["steps"]) for r in group)
         at = {str(r["method"]): r for r in group if r["steps"] == steps}
         no, full, tuned = at["no_context"], at["full_context"], at.get(FINETUNED)
+        first = next(result for method, result in at.items() if method.startswith("ccm"))
         for method, result in sorted(at.items()):
             if not method.startswith("ccm"):
                 continue
@@ -293,6 +319,7 @@ def summarize(results: Sequence[Row]) -> list[Row]:
                     "gain_recovered": _gain(no, full, result),
                     "gain_recovered_finetuned": None if tuned is None else _gain(no, tuned, result),
                     "context_memory_ratio": float(result["context_kv_tokens"]) / float(full["context_kv_tokens"]),
+                    "versus_first": None if result is first else _difference(first, result),
                 }
             )
     return rows
@@ -359,12 +386,26 @@ def gain_text(gain: Row | None) -> str:
     return f"{gain['value']:.0%} [{low:.0%}, {high:.0%}]"
 
 
+def difference_text(difference: Row | None, metric: str) -> str:
+    """A summary row's `versus_first` as "+0.094 [+0.021, +0.167] accuracy" or "x0.85 [0.80, 0.91] perplexity"
+    (the ratio of perplexities, below 1 when better), with the method compared with; "-" when there is none."""
+    if difference is None:
+        return "-"
+    low, high = difference["interval"]
+    if metric == "accuracy":
+        text = f"{difference['value']:+.3f} [{low:+.3f}, {high:+.3f}] accuracy"
+    else:  # the difference is in minus the log-perplexity
+        text = f"x{math.exp(-difference['value']):.2f} [{math.exp(-high):.2f}, {math.exp(-low):.2f}] perplexity"
+    return f"{text} vs {difference['method']}"
+
+
 def markdown(results: Sequence[Row], summary: Sequence[Row]) -> str:
     """The summary at the largest time step, then every time step, as Markdown tables with 95% intervals."""
     lines = [
         "| task | wordings | method | metric | no context | full context (base) | full context (fine-tuned) | "
-        "CCM [95% CI] | gain recovered vs base | vs fine-tuned | context memory vs full |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "CCM [95% CI] | gain recovered vs base | vs fine-tuned | context memory vs full | "
+        "paired difference from the first adapter [95% CI] |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary:
         tuned = row[FINETUNED]
@@ -373,7 +414,7 @@ def markdown(results: Sequence[Row], summary: Sequence[Row]) -> str:
             f"{row['no_context']:.3f} | {row['full_context']:.3f} | {'-' if tuned is None else f'{tuned:.3f}'} | "
             f"{_with_interval(row['ccm'], row['ccm_interval'])} | "
             f"{gain_text(row['gain_recovered'])} | {gain_text(row['gain_recovered_finetuned'])} | "
-            f"{row['context_memory_ratio']:.3f} |"
+            f"{row['context_memory_ratio']:.3f} | {difference_text(row['versus_first'], row['metric'])} |"
         )
     lines += [
         "",
