@@ -1,6 +1,7 @@
 """Training data: built-in task families in many wordings, weighted into one mixture, and a short training run;
-a fine-tuned full-context baseline as the distillation teacher of the memory; then long text trained as a
-stream, through the streaming cache `ccm stream-eval` measures.
+a fine-tuned full-context baseline as the distillation teacher of the memory, and the two adapters compared on
+the same held-out samples; then long text trained as a stream, through the streaming cache `ccm stream-eval`
+measures.
 
 A weighted mixture gives cheap or important families more turns ("icl:3,dialogue:1": three ICL samples, then
 one dialogue, and again). ICL's `icl/varied` wording composes a new frame for every sample, so an adapter
@@ -13,6 +14,7 @@ the same on the real model, and so is `ccm train --task text-varied --supervisio
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections import Counter
 from dataclasses import replace
@@ -23,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.baseline import full_context_config
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.evaluation import difference_interval, difference_text, score_samples
 from transformers_ccm.stream_training import tokens_before_compression
 from transformers_ccm.tasks import make_samples, make_task_samples
 from transformers_ccm.tasks.text import text_streams
@@ -60,6 +63,20 @@ def main() -> None:
         trainer = train(student, tokenizer, samples, held_out, output_dir, distilled, teacher=teacher)
     losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     print(f"held-out loss distilled from the baseline at steps 6 and 12: {losses[0]:.3f}, {losses[-1]:.3f}")
+
+    # Two adapters scored on the same held-out samples: their difference has a paired interval, far narrower than
+    # the two scores' own intervals (`ccm eval --adapters before after` reports it for `after`).
+    probe = make_samples("dialogue", "test", 16, seed=1, steps=2)
+    before, after = (score_samples(m, tokenizer, probe, "ccm", "perplexity") for m in (model, student))
+    difference = {
+        "method": "output-only",
+        "value": math.log(before.value / after.value),
+        "interval": list(difference_interval(before.per_sample, after.per_sample, "perplexity")),
+    }
+    print(
+        f"held-out dialogue perplexity {before.value:.1f} [{before.low:.1f}, {before.high:.1f}] output-only, "
+        f"{after.value:.1f} [{after.low:.1f}, {after.high:.1f}] distilled: {difference_text(difference, 'perplexity')}"
+    )
 
     # Streams: each sample fills the sink and window, then is compressed three times on its way; the loss is on
     # every token after the first compression, with gradients through all three.

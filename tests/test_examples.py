@@ -66,3 +66,6 @@ def test_training_data_mixes_families_by_weight_and_trains_on_streams(capsys):
         assert at_12 < at_6, losses
     at_2, at_4 = (float(word.rstrip(",")) for word in streamed.split()[-2:])
     assert at_4 < at_2, streamed
+    compared = next(line for line in lines if line.startswith("held-out dialogue perplexity"))
+    ratio, low, high = (float(word.strip("x[],")) for word in compared.split(": ")[1].split()[:3])
+    assert low <= ratio <= high and compared.endswith("perplexity vs output-only"), compared
