@@ -14,7 +14,6 @@ the same on the real model, and so is `ccm train --task text-varied --supervisio
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections import Counter
 from dataclasses import replace
@@ -25,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.baseline import full_context_config
 from transformers_ccm.embedded import load_tokenizer
-from transformers_ccm.evaluation import difference_interval, difference_text, score_samples
+from transformers_ccm.evaluation import difference_text, paired_difference, score_samples
 from transformers_ccm.stream_training import tokens_before_compression
 from transformers_ccm.tasks import make_samples, make_task_samples
 from transformers_ccm.tasks.text import text_streams
@@ -68,11 +67,7 @@ def main() -> None:
     # the two scores' own intervals (`ccm eval --adapters before after` reports it for `after`).
     probe = make_samples("dialogue", "test", 16, seed=1, steps=2)
     before, after = (score_samples(m, tokenizer, probe, "ccm", "perplexity") for m in (model, student))
-    difference = {
-        "method": "output-only",
-        "value": math.log(before.value / after.value),
-        "interval": list(difference_interval(before.per_sample, after.per_sample, "perplexity")),
-    }
+    difference = paired_difference({**before.to_dict(), "method": "output-only"}, after.to_dict())
     print(
         f"held-out dialogue perplexity {before.value:.1f} [{before.low:.1f}, {before.high:.1f}] output-only, "
         f"{after.value:.1f} [{after.low:.1f}, {after.high:.1f}] distilled: {difference_text(difference, 'perplexity')}"

@@ -264,9 +264,10 @@ def difference_interval(
     return low, high
 
 
-def _difference(first: Row, second: Row) -> Row:
-    """`second` against `first` (result rows on the same samples): the method compared with, the difference of
-    their scores as `difference_interval` measures it, and its 95% interval."""
+def paired_difference(first: Row, second: Row) -> Row:
+    """`second` against `first` (result rows, such as `MethodScore.to_dict()`, on the same samples): the method
+    compared with, the difference of their scores as `difference_interval` measures it, and its 95% interval
+    (what `difference_text` writes)."""
     metric = str(second["metric"])
     difference = (_log_score(second["per_sample"], metric) - _log_score(first["per_sample"], metric)).item()
     interval = difference_interval(first["per_sample"], second["per_sample"], metric)
@@ -319,7 +320,7 @@ def summarize(results: Sequence[Row]) -> list[Row]:
                     "gain_recovered": _gain(no, full, result),
                     "gain_recovered_finetuned": None if tuned is None else _gain(no, tuned, result),
                     "context_memory_ratio": float(result["context_kv_tokens"]) / float(full["context_kv_tokens"]),
-                    "versus_first": None if result is first else _difference(first, result),
+                    "versus_first": None if result is first else paired_difference(first, result),
                 }
             )
     return rows
