@@ -24,7 +24,7 @@ from transformers_ccm.tasks import (
 )
 from transformers_ccm.tasks.dialogue import ASIDES, varied_exchange
 from transformers_ccm.tasks.document import passages
-from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK
+from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, with_lookalike
 from transformers_ccm.tasks.icl import varied_frame
 from transformers_ccm.tasks.personalization import FILLER
 from transformers_ccm.tasks.replies import LIST_INTROS, SENTENCES, TIPS, ramble
@@ -415,3 +415,26 @@ def test_chat_replies_run_long_and_earlier_turns_may_ask():
         if any(aside in context for aside in asides) and any(item in context for item in built.items)
     ]
     assert asked_before and all(any(aside in b.sample.input for aside in ASIDES.seen) for b in samples)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 6), split=st.sampled_from(["train", "test"]))
+def test_lookalike_facts_keep_their_number_and_distinct_values(seed, count, split):
+    rng = random.Random(seed)
+    facts = draw_facts(rng, split, sorted(FACTS), count)
+    swapped = with_lookalike(rng, split, facts)
+    assert len(swapped) == len(facts) and len(set(swapped.values())) == len(swapped)
+    assert all(value in words(FACTS[kind].pool, split) for kind, value in swapped.items())
+
+
+@pytest.mark.parametrize("family", ["dialogue", "chat"])
+def test_training_dialogues_often_name_a_friend_beside_the_user(family):
+    """Two first names in one dialogue (the user's and a friend's) are the hard case of recall: training poses it
+    far more often than uniform draws do, and test dialogues keep uniform draws."""
+
+    def share_with_two_names(split):
+        names = set(words("first_name", split))
+        samples = make_task_samples(family, split, 300, seed=1, steps=8, wordings="seen")
+        return sum(len(names.intersection(built.items)) >= 2 for built in samples) / len(samples)
+
+    assert share_with_two_names("train") > 0.35 > 0.25 > share_with_two_names("test")

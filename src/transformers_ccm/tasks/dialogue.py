@@ -8,6 +8,9 @@ reply, which needs the earlier turns. Scored by perplexity.
 The `chat` family is the same conversation as a chat model holds it: every assistant reply runs on for several
 sentences (`replies.ramble`), earlier turns may already have asked about other facts, and the last question
 comes with an aside ("By the way, what is my name?").
+
+Training dialogues mention a friend beside the user's name (and the like) in about half of the draws that mention
+either (`facts.with_lookalike`), so that recall learns to tell two names apart; test dialogues draw kinds uniformly.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 from transformers_ccm.data import OnlineSample
-from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, fill
+from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, fill, with_lookalike
 from transformers_ccm.tasks.replies import ramble
 from transformers_ccm.tasks.vocabulary import Split, words
 from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
@@ -106,6 +109,8 @@ def dialogue_sample(rng: random.Random, split: Split, steps: int, wording: Dialo
     """A dialogue with `steps` earlier exchanges, some sharing facts, and a last turn recalling one of them."""
     held_out = wording.held_out
     facts = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
+    if split == "train":  # test dialogues keep uniform draws, so their samples and scores stay comparable
+        facts = with_lookalike(rng, split, facts)
     # A chat may already have asked about other facts (as the demo does), in its last turns before the question.
     asked_before = rng.randint(0, min(2, len(facts) - 1, steps - len(facts))) if wording.long_replies else 0
     exchanges = []

@@ -237,3 +237,21 @@ def draw_facts(rng: random.Random, split: Split, kinds: list[str], count: int) -
         pool = [w for w in words(FACTS[kind].pool, split) if w not in values.values()]
         values[kind] = rng.choice(pool)
     return values
+
+
+def with_lookalike(rng: random.Random, split: Split, facts: dict[str, str]) -> dict[str, str]:
+    """`facts`, or in half of the draws, with one fact swapped for a kind whose values come from the same word list
+    as a fact there (a friend's name beside the user's): telling such facts apart is the hard case of recall, which
+    uniform draws rarely pose."""
+    pools = {FACTS[kind].pool for kind in facts}
+    twins = [kind for kind in sorted(FACTS) if kind not in facts and FACTS[kind].pool in pools]
+    if not twins or rng.random() < 0.5:
+        return facts
+    twin = rng.choice(twins)
+    droppable = [kind for kind in facts if FACTS[kind].pool != FACTS[twin].pool]
+    if not droppable:
+        return facts
+    dropped = rng.choice(droppable)
+    kept = {kind: value for kind, value in facts.items() if kind != dropped}
+    pool = [w for w in words(FACTS[twin].pool, split) if w not in kept.values()]
+    return {**kept, twin: rng.choice(pool)}
