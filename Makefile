@@ -25,10 +25,10 @@ test: install
 # distilled from the fine-tuned full-context baseline (`make full-context-baseline`, shipped as
 # ccm:smollm2-full-context; about 65 minutes); then 150 steps of 8 with the same teacher on a mixture with long
 # chats (about 50 minutes); then 200 steps of 8 with facts said in passing and varied transcripts (about 55
-# minutes). Merge: the same first stage, then 200 steps of 8 distilled from
-# the fine-tuned full-context baseline (about 52 minutes), then 100 steps of 8 with long chats (about 35 minutes),
-# then 50 steps of 8 as concat's last stage (about 16 minutes), then 100 more of the same on new samples (about
-# 31 minutes). On a GPU, see docs/training.md.
+# minutes); then 150 steps of 8 with a friend named beside the user in half of the dialogues (about 45 minutes).
+# Merge: the same first stage, then 200 steps of 8 distilled from the fine-tuned full-context baseline (about 52
+# minutes), then 100 steps of 8 with long chats (about 35 minutes), then 50 steps of 8 as concat's last stage
+# (about 16 minutes), then 100 more of the same on new samples (about 31 minutes). On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
 # Options every stage distilled from the fine-tuned full-context baseline shares.
 DISTILLED_STAGE = --distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 8 --eval-samples 16
@@ -54,6 +54,10 @@ adapters: install
 		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
 		--steps 200 --eval-every 50 --seed 4 \
 		--output-dir out/stage6-concat
+	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage6-concat \
+		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
+		--steps 150 --eval-every 50 --seed 6 \
+		--output-dir out/stage7-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-merge \
@@ -71,7 +75,7 @@ adapters: install
 		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
 		--steps 100 --eval-every 50 --seed 5 \
 		--output-dir out/stage5-merge
-	cd out/stage6-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage7-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage5-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
