@@ -234,9 +234,13 @@ def draw_facts(rng: random.Random, split: Split, kinds: list[str], count: int) -
     chosen = rng.sample(kinds, min(len(kinds), count))
     values: dict[str, str] = {}
     for kind in chosen:
-        pool = [w for w in words(FACTS[kind].pool, split) if w not in values.values()]
-        values[kind] = rng.choice(pool)
+        values[kind] = _draw_value(rng, split, kind, values)
     return values
+
+
+def _draw_value(rng: random.Random, split: Split, kind: str, taken: dict[str, str]) -> str:
+    """A value of `kind` from `split` that no fact in `taken` holds."""
+    return rng.choice([w for w in words(FACTS[kind].pool, split) if w not in taken.values()])
 
 
 def with_lookalike(rng: random.Random, split: Split, facts: dict[str, str]) -> dict[str, str]:
@@ -253,5 +257,4 @@ def with_lookalike(rng: random.Random, split: Split, facts: dict[str, str]) -> d
         return facts
     dropped = rng.choice(droppable)
     kept = {kind: value for kind, value in facts.items() if kind != dropped}
-    pool = [w for w in words(FACTS[twin].pool, split) if w not in kept.values()]
-    return {**kept, twin: rng.choice(pool)}
+    return {**kept, twin: _draw_value(rng, split, twin, kept)}
