@@ -1,5 +1,6 @@
 """Run by tests/test_distributed.py under torchrun: train a tiny adapter on every process, then report, per
-rank, a hash of the adapter it holds and every folder it wrote an adapter to."""
+rank, a hash of the adapter it holds, every folder it wrote an adapter to, and whether the final adapter was on
+disk when `train` returned; then close the process group, as a torchrun script must."""
 
 from __future__ import annotations
 
@@ -32,10 +33,18 @@ def main(output: str, report: str, gradient_checkpointing: bool) -> None:
         steps=4, batch_size=2, save_every=2, eval_every=100, gradient_checkpointing=gradient_checkpointing
     )
     train(model, None, samples, None, output, recipe)
+    adapter_on_disk = os.path.exists(os.path.join(output, "adapter_config.json"))
     tensors = sorted((name, tensor.detach()) for name, tensor in model.adapter_tensors().items())
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    torch.distributed.destroy_process_group()
+    report_row = {
+        "adapter": adapter_digest(tensors),
+        "written": written,
+        "world_size": world,
+        "on_disk": adapter_on_disk,
+    }
     with open(os.path.join(report, f"rank{rank}.json"), "w") as file:
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        json.dump({"adapter": adapter_digest(tensors), "written": written, "world_size": world}, file)
+        json.dump(report_row, file)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, 
     assert [rank["world_size"] for rank in ranks] == [2, 2]
     assert ranks[0]["adapter"] == ranks[1]["adapter"]  # though each process saw other samples
     assert ranks[1]["written"] == []
+    assert [rank["on_disk"] for rank in ranks] == [True, True]  # no process returns before the adapter is written
     assert str(output) in ranks[0]["written"] and any("checkpoint-" in folder for folder in ranks[0]["written"])
 
     saved = CCMForCausalLM.from_pretrained(output, base_model=tiny_base("llama"))

@@ -163,6 +163,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
     train(model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher)
+    if torch.distributed.is_initialized():
+        # Under torchrun/accelerate a process that exits with its process group alive can abort in gloo's or
+        # NCCL's teardown (SIGABRT, "terminate called without an active exception"), failing the launch.
+        torch.distributed.destroy_process_group()
     print(f"adapter saved to {args.output_dir}")
 
 

@@ -116,13 +116,14 @@ def train(
 ) -> CCMTrainer:
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
-    Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues
-    from the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every
-    process trains the same adapter and only the main process writes files. `tokenizer` is needed for samples
-    given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are streams:
-    token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model as the
-    distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the plain
-    history with its LoRA on; it is frozen and moved to `model`'s device.
+    Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues from
+    the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every process
+    trains the same adapter, only the main process writes files, and every process returns once the final adapter is
+    written (call `torch.distributed.destroy_process_group()` before the script exits). `tokenizer` is needed for
+    samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
+    streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model
+    as the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the
+    plain history with its LoRA on; it is frozen and moved to `model`'s device.
     """
     _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
@@ -203,6 +204,7 @@ def train(
     trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.is_world_process_zero():
         model.save_pretrained(output_dir)
+    trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
 
 
