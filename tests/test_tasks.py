@@ -401,11 +401,13 @@ def test_chat_replies_run_long_and_earlier_turns_may_ask():
     """Chat samples are dialogues as a chat model holds them: replies several times longer than the dialogue
     family's, and some earlier turns already asking about another fact."""
 
-    def words_per_context(task):
+    def words_per_reply(task):
         samples = make_task_samples(task, "train", 60, seed=0, steps=6)
-        return sum(len(c.split()) for b in samples for c in b.sample.contexts) / (6 * len(samples))
+        turn = "<|im_start|>assistant\n"
+        replies = [c.split(turn)[1].split("<|im_end|>")[0] for b in samples for c in b.sample.contexts if turn in c]
+        return sum(len(reply.split()) for reply in replies) / len(replies)
 
-    assert words_per_context("chat") > 2.5 * words_per_context("dialogue")
+    assert words_per_reply("chat") > 4 * words_per_reply("dialogue")
     asides = [aside for aside in ASIDES.seen if len(aside) > 4]
     samples = make_task_samples("chat", "train", 60, seed=0, steps=8)
     asked_before = [

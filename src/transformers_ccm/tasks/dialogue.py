@@ -99,7 +99,19 @@ CHAT_WORDINGS = (
 # Said before the last question of a chat, lower-casing the question: "By the way, what is my name?". None is
 # the demo's ("Quick check:", "And"), so that `ccm demo` asks as no training sample does.
 ASIDES = Phrasings(
-    ("By the way,", "One more thing:", "Before I forget,", "Okay, so", "Hmm,", "Oh right,", "Also,"),
+    (
+        "By the way,",
+        "One more thing:",
+        "Before I forget,",
+        "Okay, so",
+        "Hmm,",
+        "Oh right,",
+        "Also,",
+        "So,",
+        "Actually,",
+        "Wait,",
+        "Just wondering,",
+    ),
     ("Random question:", "Also, just curious,"),
 )
 KINDS = sorted(FACTS)

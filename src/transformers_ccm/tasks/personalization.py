@@ -35,6 +35,12 @@ WORDINGS = (
         "<|im_start|>user\n{post}<|im_end|>\n",
         "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n",
     ),
+    ProfileWording("personalization/diary", "Diary: {post}\n", "Question for the diarist: {q}\nAnswer: {answer}"),
+    ProfileWording("personalization/markdown", "### Post\n{post}\n\n", "### Question\n{q}\n### Answer\n{answer}"),
+    ProfileWording(
+        "personalization/comment", "Comment by the user: {post}\n", "About this user. {q}\nAnswer: {answer}"
+    ),
+    ProfileWording("personalization/message", "Message: {post}\n", "User question: {q}\nAssistant: {answer}"),
     ProfileWording(
         "personalization/status",
         "Status update: {post}\n",
@@ -51,6 +57,11 @@ FILLER = Phrasings(
         "Thinking about {v} all day long.",
         "Does anyone else care about {v} as much as I do?",
         "Learned something new about {v} today.",
+        "Had a lovely walk and thought about {v}.",
+        "Not sure what to make of {v} these days.",
+        "Coffee first, then {v}.",
+        "Who else is tired of hearing about {v}?",
+        "Spent the evening reading up on {v}.",
         *(user for user, _ in SMALL_TALK.seen),
     ),
     ("Can't believe how much I've read about {v} this month.", *(user for user, _ in SMALL_TALK.unseen)),
