@@ -10,33 +10,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_base
+from tiny_models import tiny_base, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.identity import adapter_digest
 from transformers_ccm.training import train
 
 TESTS = Path(__file__).parent
 
 
-@pytest.mark.parametrize("mode", ["plain", "checkpointing"])
-def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, mode):
-    output, report = tmp_path / "adapter", tmp_path / "report"
-    report.mkdir()
+def _torchrun(*arguments: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 ARGUMENTS` on CPU (gloo), with the tests and the package importable."""
     environment = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent / "src")]),
         "OMP_NUM_THREADS": "1",
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *arguments]
     result = subprocess.run(
-        [*command, str(TESTS / "distributed_training.py"), str(output), str(report), mode],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
+        command, env=environment, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("mode", ["plain", "checkpointing"])
+def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, mode):
+    output, report = tmp_path / "adapter", tmp_path / "report"
+    report.mkdir()
+    _torchrun(str(TESTS / "distributed_training.py"), str(output), str(report), mode)
     ranks = [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["world_size"] for rank in ranks] == [2, 2]
     assert ranks[0]["adapter"] == ranks[1]["adapter"]  # though each process saw other samples
@@ -49,6 +51,20 @@ def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, 
     assert adapter_digest(tensors) == ranks[0]["adapter"]
     halfway = CCMForCausalLM.from_pretrained(output / "checkpoint-2", base_model=tiny_base("llama"))
     assert not torch.equal(saved.comp_embeddings, halfway.comp_embeddings)  # it trained
+
+
+def test_ccm_train_under_torchrun_ends_cleanly_on_every_process(tmp_path):
+    """The command as docs/training.md launches it: both processes exit 0 (the process group is closed before
+    exit) and say where the one adapter went."""
+    tokenizer = load_tokenizer("default")
+    tiny_llama_for(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    output = tmp_path / "adapter"
+    training = ["--task", "icl", "--steps", "2", "--batch-size", "2", "--eval-every", "2", "--eval-samples", "2"]
+    model = ["--model", str(tmp_path / "model"), "--output-dir", str(output)]
+    result = _torchrun("-m", "transformers_ccm.cli", "train", *model, *training)
+    assert result.stdout.count(f"adapter saved to {output}") == 2
+    assert CCMForCausalLM.from_pretrained(output, base_model=tiny_llama_for(tokenizer)).config.update == "concat"
 
 
 @pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
