@@ -58,6 +58,10 @@ adapters: install
 		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
 		--steps 150 --eval-every 50 --seed 6 \
 		--output-dir out/stage7-concat
+	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage7-concat \
+		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
+		--steps 150 --eval-every 50 --seed 8 \
+		--output-dir out/stage8-concat
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-merge \
@@ -75,7 +79,7 @@ adapters: install
 		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
 		--steps 100 --eval-every 50 --seed 5 \
 		--output-dir out/stage5-merge
-	cd out/stage7-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage8-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage5-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
