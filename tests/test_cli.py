@@ -266,6 +266,35 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
     assert memory.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["user.safetensors"]
 
 
+def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adapter, tmp_path, capsys):
+    from transformers_ccm.tasks import make_samples, save_jsonl
+
+    choices, text = tmp_path / "choices.jsonl", tmp_path / "text.jsonl"
+    save_jsonl([*make_samples("icl", "test", 3, steps=1), *make_samples("icl", "test", 2, steps=2)], choices)
+    save_jsonl(make_samples("dialogue", "test", 2, steps=2), text)
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
+    main([*arguments, "--tasks", str(choices), str(text)])
+    results = json.loads((tmp_path / "out" / "eval.json").read_text())["results"]
+    scored = {(r["task"], r["wordings"], r["steps"], r["metric"], len(r["per_sample"])) for r in results}
+    assert scored == {
+        (str(choices), "own", 1, "accuracy", 3),
+        (str(choices), "own", 2, "accuracy", 2),
+        (str(text), "own", 2, "perplexity", 2),
+    }
+    assert {r["method"] for r in results} == {"no_context", "full_context", "ccm-concat"}
+
+    no_output = tmp_path / "no_output.jsonl"
+    no_output.write_text(json.dumps({"contexts": ["a"], "input": "b"}) + "\n")
+    for tasks, message in (
+        ([str(choices), "--steps", "3"], r"has no sample with \[3\] contexts; it has samples with \[1, 2\]"),
+        ([str(no_output)], "every sample to score needs an 'output'"),
+        (["nonsense"], "built-in tasks .* or JSONL files; got 'nonsense'"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*arguments, "--tasks", *tasks])
+        assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))

@@ -43,6 +43,11 @@ def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _is_file(task: str) -> bool:
+    """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task."""
+    return task.endswith(".jsonl") or os.path.exists(task)
+
+
 def _load_samples(
     task: str,
     split: str,
@@ -62,7 +67,7 @@ def _load_samples(
             f"--supervision stream trains on long text; --task and --eval-task must be one of {list(TEXT_TASKS)}, "
             f"got {task!r}."
         )
-    if task.endswith(".jsonl") or os.path.exists(task):
+    if _is_file(task):
         return load_jsonl(task)
     if task in TEXT_TASKS:
         # After a compression the window holds `window_tokens - compress_chunk` tokens; samples span the same.
@@ -111,9 +116,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         r=args.lora_r,
         trained_on=args.trained_on
         or (
-            f"transformers-ccm built-in task '{args.task}'"
-            if not os.path.exists(args.task)
-            else os.path.basename(args.task)
+            f"transformers-ccm built-in task '{args.task}'" if not _is_file(args.task) else os.path.basename(args.task)
         ),
     )
     if args.method == "full-context":
@@ -152,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         stream_length,
     )
     # A JSONL training file has no held-out split of its own.
-    eval_task = args.eval_task or (None if os.path.exists(args.task) else args.task)
+    eval_task = args.eval_task or (None if _is_file(args.task) else args.task)
     eval_samples = (
         _load_samples(eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk, stream_length)
         if eval_task
@@ -229,6 +232,37 @@ def _refuse_baselines(models: dict[str, CCMForCausalLM], fix: str) -> None:
         )
 
 
+def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int, list[OnlineSample], str]]:
+    """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric): a built-in task per wording
+    set and time step; a JSONL file of your own samples grouped by their number of contexts (wording set "own"),
+    by accuracy where every sample lists its choices, by perplexity otherwise."""
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl, make_samples
+
+    if _is_file(task):
+        own = load_jsonl(task)
+        if any(sample.output is None for sample in own):
+            raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
+        metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
+        lengths = sorted({len(sample.contexts) for sample in own})
+        missing = sorted(set(args.steps or ()) - set(lengths))
+        if missing:
+            raise ValueError(f"{task} has no sample with {missing} contexts; it has samples with {lengths}.")
+        by_length = [(t, [sample for sample in own if len(sample.contexts) == t][: args.samples]) for t in lengths]
+        return [("own", t, samples, metric) for t, samples in by_length if t in (args.steps or lengths)]
+    if task not in TASKS:
+        raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}.")
+    return [
+        (
+            wordings,
+            t,
+            make_samples(task, "test", args.samples, seed=args.seed, steps=t, wordings=wordings),
+            METRIC[task],
+        )
+        for wordings in (("seen", "unseen") if has_unseen_wordings(task) else ("seen",))
+        for t in args.steps or EVAL_STEPS[task]
+    ]
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -242,10 +276,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         score_samples,
         summarize,
     )
-    from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
+    sample_sets = [(task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args)]
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     _refuse_baselines(
         {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
@@ -264,19 +298,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
             (FINETUNED, _load_full_context(args.full_context_adapter, args.model, reference), "full_context")
         )
     results = []
-    for task in args.tasks:
-        for wordings in ("seen", "unseen") if has_unseen_wordings(task) else ("seen",):
-            for steps in args.steps or EVAL_STEPS[task]:
-                samples = make_samples(task, "test", args.samples, seed=args.seed, steps=steps, wordings=wordings)
-                for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
-                    score = score_samples(model, tokenizer, samples, method, METRIC[task], batch_size=args.batch_size)
-                    results.append({"task": task, "wordings": wordings, **score.to_dict(), "method": name})
-                    print(
-                        f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
-                        f"[{score.low:.3f}, {score.high:.3f}]  context KV {score.context_kv_tokens:7.1f}  "
-                        f"peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
-                        flush=True,
-                    )
+    for task, wordings, steps, samples, metric in sample_sets:
+        for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
+            score = score_samples(model, tokenizer, samples, method, metric, batch_size=args.batch_size)
+            results.append({"task": task, "wordings": wordings, **score.to_dict(), "method": name})
+            print(
+                f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
+                f"[{score.low:.3f}, {score.high:.3f}]  context KV {score.context_kv_tokens:7.1f}  "
+                f"peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
+                flush=True,
+            )
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
@@ -569,9 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         default=["icl", "personalization", "dialogue"],
-        help="also: chat (long replies), document (general text)",
+        help="also: chat (long replies), document (general text), or JSONL files of your own samples",
     )
-    evaluate.add_argument("--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's)")
+    evaluate.add_argument(
+        "--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's; a file: all it has)"
+    )
     evaluate.add_argument(
         "--samples", type=int, default=200, help="held-out samples per task, wording set (seen, unseen) and time step"
     )

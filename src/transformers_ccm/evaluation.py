@@ -275,7 +275,7 @@ def paired_difference(first: Row, second: Row) -> Row:
 
 
 FINETUNED = "full_context_finetuned"  # a full-context adapter (conditional_lora=False), the paper's upper bound
-WORDING_ORDER = ("seen", "unseen", "all")
+WORDING_ORDER = ("seen", "unseen", "all", "own")  # "own": samples from a JSONL file of your own
 
 
 def _gain(no_context: Row, full_context: Row, ccm: Row) -> Row:
