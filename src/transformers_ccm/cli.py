@@ -314,14 +314,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     (output / "eval.json").write_text(report_json(results, summary))
     plot(results, str(output / "eval.png"))
     (output / "eval.md").write_text(markdown(results, summary))
-    print(f"\nat the largest time step ({args.samples} samples each; 95% intervals):")
+    print("\nat the largest time step (95% intervals):")
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
         versus_tuned = "" if tuned is None else f", {gain_text(tuned)} of the fine-tuned full-context gain"
         versus_first = row["versus_first"]
         paired = "" if versus_first is None else f"  {difference_text(versus_first, row['metric'])}"
         print(
-            f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['metric']} no {row['no_context']:.3f}  "
+            f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['samples']} samples, {row['metric']} "
+            f"no {row['no_context']:.3f}  "
             f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
             f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain_text(row['gain_recovered'])}{versus_tuned}  "
             f"memory {row['context_memory_ratio']:.3f} of full context{paired}"
