@@ -33,6 +33,14 @@ SHIPPED = src/transformers_ccm/adapters
 # Options every stage distilled from the fine-tuned full-context baseline shares.
 DISTILLED_STAGE = --distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 8 --eval-samples 16
 ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
+# One stage distilled from the fine-tuned full-context baseline, continuing an earlier one:
+# $(call distilled,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO), FROM and TO folders under out/.
+distilled = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/$(1) --task "$(2)" \
+	$(DISTILLED_STAGE) --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
+# The mixtures of the later stages (a variable, so that their commas do not split $(call)'s arguments).
+TO_ICL = icl:2,personalization:2,dialogue:1
+WITH_CHATS = icl:1,personalization:2,dialogue:1,chat:3
+MORE_DIALOGUE = icl:1,personalization:3,dialogue:2,chat:3
 
 adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update concat --num-comp-tokens 1 \
@@ -43,42 +51,17 @@ adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-concat \
 		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
 		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stage3-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-concat \
-		--task "icl:2,personalization:2,dialogue:1" $(DISTILLED_STAGE) \
-		--steps 200 --eval-every 50 --output-dir out/stage4-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage4-concat \
-		--task "icl:1,personalization:2,dialogue:1,chat:3" $(DISTILLED_STAGE) \
-		--steps 150 --eval-every 50 --seed 3 \
-		--output-dir out/stage5-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage5-concat \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
-		--steps 200 --eval-every 50 --seed 4 \
-		--output-dir out/stage6-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage6-concat \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
-		--steps 150 --eval-every 50 --seed 6 \
-		--output-dir out/stage7-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage7-concat \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
-		--steps 150 --eval-every 50 --seed 8 \
-		--output-dir out/stage8-concat
+	$(call distilled,stage3-concat,$(TO_ICL),200,50,0,stage4-concat)
+	$(call distilled,stage4-concat,$(WITH_CHATS),150,50,3,stage5-concat)
+	$(call distilled,stage5-concat,$(MORE_DIALOGUE),200,50,4,stage6-concat)
+	$(call distilled,stage6-concat,$(MORE_DIALOGUE),150,50,6,stage7-concat)
+	$(call distilled,stage7-concat,$(MORE_DIALOGUE),150,50,8,stage8-concat)
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-merge \
-		--task "icl:2,personalization:2,dialogue:1" $(DISTILLED_STAGE) \
-		--steps 200 --eval-every 50 --output-dir out/stage2-merge
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-merge \
-		--task "icl:1,personalization:2,dialogue:1,chat:3" $(DISTILLED_STAGE) \
-		--steps 100 --eval-every 50 --seed 3 \
-		--output-dir out/stage3-merge
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage3-merge \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
-		--steps 50 --eval-every 25 --seed 4 \
-		--output-dir out/stage4-merge
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage4-merge \
-		--task "icl:1,personalization:3,dialogue:2,chat:3" $(DISTILLED_STAGE) \
-		--steps 100 --eval-every 50 --seed 5 \
-		--output-dir out/stage5-merge
+	$(call distilled,stage1-merge,$(TO_ICL),200,50,0,stage2-merge)
+	$(call distilled,stage2-merge,$(WITH_CHATS),100,50,3,stage3-merge)
+	$(call distilled,stage3-merge,$(MORE_DIALOGUE),50,25,4,stage4-merge)
+	$(call distilled,stage4-merge,$(MORE_DIALOGUE),100,50,5,stage5-merge)
 	cd out/stage8-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage5-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 

@@ -35,7 +35,7 @@ def main(output: str, report: str, gradient_checkpointing: bool) -> None:
     train(model, None, samples, None, output, recipe)
     adapter_on_disk = os.path.exists(os.path.join(output, "adapter_config.json"))
     tensors = sorted((name, tensor.detach()) for name, tensor in model.adapter_tensors().items())
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    world = torch.distributed.get_world_size()
     torch.distributed.destroy_process_group()
     report_row = {
         "adapter": adapter_digest(tensors),

@@ -244,11 +244,11 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
             raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
         metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
-        missing = sorted(set(args.steps or ()) - set(lengths))
+        chosen = sorted(set(args.steps or lengths))
+        missing = [t for t in chosen if t not in lengths]
         if missing:
             raise ValueError(f"{task} has no sample with {missing} contexts; it has samples with {lengths}.")
-        by_length = [(t, [sample for sample in own if len(sample.contexts) == t][: args.samples]) for t in lengths]
-        return [("own", t, samples, metric) for t, samples in by_length if t in (args.steps or lengths)]
+        return [("own", t, [s for s in own if len(s.contexts) == t][: args.samples], metric) for t in chosen]
     if task not in TASKS:
         raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}.")
     return [
@@ -322,9 +322,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         paired = "" if versus_first is None else f"  {difference_text(versus_first, row['metric'])}"
         print(
             f"{row['task']:16s} {row['wordings']:6s} {row['method']:11s} {row['samples']} samples, {row['metric']} "
-            f"no {row['no_context']:.3f}  "
-            f"full {row['full_context']:.3f}  ccm {row['ccm']:.3f} [{row['ccm_interval'][0]:.3f}, "
-            f"{row['ccm_interval'][1]:.3f}]  gain recovered {gain_text(row['gain_recovered'])}{versus_tuned}  "
+            f"no {row['no_context']:.3f}  full {row['full_context']:.3f}  ccm {row['ccm']:.3f} "
+            f"[{row['ccm_interval'][0]:.3f}, {row['ccm_interval'][1]:.3f}]  "
+            f"gain recovered {gain_text(row['gain_recovered'])}{versus_tuned}  "
             f"memory {row['context_memory_ratio']:.3f} of full context{paired}"
         )
     print(f"wrote {output / 'eval.json'}, {output / 'eval.md'} and {output / 'eval.png'}")
