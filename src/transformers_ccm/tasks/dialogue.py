@@ -47,11 +47,11 @@ class DialogueWording:
 # brackets), and no upper-case name ends in "A" or "B", so unseen wordings stay unseen.
 _USER_NAMES = (
     "User", "Human", "Customer", "Client", "Guest", "Visitor", "Caller", "Student", "Patient", "Member", "Reader",
-    "Person", "Traveller", "Learner", "You",
+    "Person", "Traveller", "Learner", "You", "Shopper", "Player", "Writer", "Friend", "Parent",
 )  # fmt: skip
 _ASSISTANT_NAMES = (
     "Assistant", "AI", "Agent", "Support", "Host", "Advisor", "Chatbot", "Model", "Tutor", "Guide", "Companion",
-    "Operator", "Concierge", "Bot", "Expert",
+    "Operator", "Concierge", "Bot", "Expert", "Coach", "Librarian", "Mentor", "Service", "Reply",
 )  # fmt: skip
 _SPEAKER_SEPARATORS = (": ", ": ", " - ", " > ", " | ", ":: ")
 
@@ -111,6 +111,10 @@ ASIDES = Phrasings(
         "Actually,",
         "Wait,",
         "Just wondering,",
+        "Oh, and",
+        "Question for you:",
+        "Let me check something:",
+        "Real quick,",
     ),
     ("Random question:", "Also, just curious,"),
 )

@@ -42,6 +42,11 @@ WORDINGS = (
     ),
     ProfileWording("personalization/message", "Message: {post}\n", "User question: {q}\nAssistant: {answer}"),
     ProfileWording(
+        "personalization/email", "Email from the user:\n{post}\n\n", "Question about the sender: {q}\nAnswer: {answer}"
+    ),
+    ProfileWording("personalization/note", "Note: {post}\n", "From these notes. {q}\nAnswer: {answer}"),
+    ProfileWording("personalization/plain", "{post}\n", "{q}\n{answer}"),
+    ProfileWording(
         "personalization/status",
         "Status update: {post}\n",
         "Question about the author: {q}\nReply: {answer}",
