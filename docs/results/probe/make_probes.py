@@ -1,0 +1,186 @@
+"""Probes in wordings no built-in task uses, with three choices per question and items from the test split (names,
+jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jsonl:
+
+- messages: a user's text messages (facts in fresh phrasings among chatter), then a quiz question;
+- emails: a user's emails with subject lines, in which the user's name and a friend's name both appear (the
+  hard case of recall), then a form field to fill in.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers_ccm.tasks.vocabulary import with_article, words
+
+
+@dataclass(frozen=True)
+class Probe:
+    statements: dict[str, tuple[str, list[str], str]]  # kind: (word list, phrasings, question)
+    chatter: list[str]
+    context: str  # one line: {line}, and {subject} where a probe has subjects
+    question: str  # {q}
+    always: tuple[str, ...] = ()  # kinds every sample holds
+    subjects: tuple[str, ...] = ()  # subject lines to draw, for probes that have them
+
+
+MESSAGES = Probe(
+    statements={
+        "name": (
+            "first_name",
+            [
+                "ok so it's {v} texting, new number",
+                "sign me up too - {v}",
+                "{v} speaking, lol",
+                "tell them {v} says thanks",
+                "this is {v}, saved your contact?",
+            ],
+            "what is the texter's name?",
+        ),
+        "job": (
+            "job",
+            [
+                "ugh double shift again, {a}'s life",
+                "training the new hires, the joys of being {a}",
+                "my manager wants every {v} in early tomorrow",
+                "guess who got certified as {a} today",
+                "nobody warns you how tiring it is to be {a}",
+            ],
+            "what does the texter do for work?",
+        ),
+        "home": (
+            "state",
+            [
+                "snowing like crazy over here in {v}",
+                "flights out of {v} are so pricey",
+                "home sweet home, {v} never changes",
+                "the rent in {v} went up again",
+            ],
+            "which state does the texter live in?",
+        ),
+        "pet": (
+            "pet",
+            [
+                "the {v} knocked my coffee over",
+                "vet appointment for my {v} at 3",
+                "bought a new bed for the {v}, it ignores it",
+                "my {v} snores louder than me",
+            ],
+            "what animal does the texter keep?",
+        ),
+    },
+    chatter=[
+        "running late, sorry",
+        "did you see the game?",
+        "grabbing lunch, want anything?",
+        "haha that's so true",
+        "can't find my keys again",
+        "phone's about to die",
+        "what time tomorrow?",
+        "this weather though",
+        "just finished that show, wow",
+        "remind me to call mom",
+    ],
+    context="SMS> {line}\n",
+    question="Quiz - {q}\nAnswer:",
+)
+EMAILS = Probe(
+    statements={
+        "name": (
+            "first_name",
+            [
+                "Thanks again for everything.\nWarm regards,\n{v}",
+                "Speak soon,\n{v}",
+                "Please reply to me directly ({v}) rather than the list.",
+                "In case the display name is wrong: this is {v} writing.",
+            ],
+            "the sender's first name",
+        ),
+        "friend": (
+            "first_name",
+            [
+                "I've copied in {v}, a dear friend who wants to join us.",
+                "{v}, who I've been friends with for years, will bring the tickets.",
+                "My friend {v} sends their regards and says the photos are lovely.",
+                "Could you add {v} to the booking? We're old friends from university.",
+            ],
+            "the friend the sender writes about",
+        ),
+        "job": (
+            "job",
+            [
+                "Apologies for the slow reply; the week has been hectic in my role as {a}.",
+                "As {a}, I can only take calls after six.",
+                "Attached is my CV; I have worked as {a} since graduating.",
+            ],
+            "the sender's occupation",
+        ),
+        "pet": (
+            "pet",
+            [
+                "Is the cottage pet-friendly? I'd be bringing my {v}.",
+                "Sorry for the typos, my {v} walked across the keyboard.",
+                "The pet sitter cancelled, so the {v} comes with me.",
+            ],
+            "the sender's pet",
+        ),
+    },
+    chatter=[
+        "Could we move Thursday's meeting to the afternoon?",
+        "Please find the invoice attached.",
+        "The parcel arrived today, thank you.",
+        "Is the offer still open until Friday?",
+        "I'll be out of office next week.",
+        "Quick reminder about the deposit.",
+        "Loved the photos from the weekend!",
+        "Can you confirm the new address?",
+        "The printer is broken again.",
+        "Happy to help with the planning.",
+    ],
+    context="Subject: {subject}\n\n{line}\n\n---\n",
+    question="Form field - {q}:",
+    always=("name", "friend"),
+    subjects=("Re: plans", "Quick question", "Booking", "Following up", "Hello", "Fwd: notes", "Weekend"),
+)
+
+
+def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        rest = [kind for kind in sorted(probe.statements) if kind not in probe.always]
+        kinds = [*probe.always, *rng.sample(rest, 3 - len(probe.always))]
+        facts: dict[str, str] = {}
+        for kind in kinds:
+            pool = [w for w in words(probe.statements[kind][0], "test") if w not in facts.values()]
+            facts[kind] = rng.choice(pool)
+        lines = [rng.choice(probe.statements[k][1]).format(v=v, a=with_article(v)) for k, v in facts.items()]
+        lines += rng.sample(probe.chatter, steps - len(lines))
+        rng.shuffle(lines)
+        asked = rng.choice(kinds)
+        value = facts[asked]
+        pool = probe.statements[asked][0]
+        # A value of the same word list said in the sample (the friend beside the user's name) is a choice too.
+        twins = [v for k, v in facts.items() if k != asked and probe.statements[k][0] == pool]
+        unsaid = [w for w in words(pool, "test") if w not in facts.values()]
+        others = twins + rng.sample(unsaid, 2 - len(twins))
+        contexts = [
+            probe.context.format(subject=rng.choice(probe.subjects) if probe.subjects else "", line=line)
+            for line in lines
+        ]
+        out.append(
+            {
+                "contexts": contexts,
+                "input": probe.question.format(q=probe.statements[asked][2]),
+                "output": f" {value}",
+                "choices": [f" {option}" for option in rng.sample([value, *others], 3)],
+            }
+        )
+    return out
+
+
+for name, probe in (("messages", MESSAGES), ("emails", EMAILS)):
+    path = Path(f"docs/results/probe/{name}-t8.jsonl")
+    samples = records(probe, seed=2026)
+    path.write_text("".join(json.dumps(r) + "\n" for r in samples))
+    print(path, len(samples))
