@@ -165,14 +165,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.distill_teacher:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
-    train(model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher)
-    writer = True  # only the main process writes the adapter, so only it says where
+    trainer = train(
+        model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
+    )
+    wrote_adapter = trainer.is_world_process_zero()  # the process that wrote it says where; read before teardown
     if torch.distributed.is_initialized():
-        writer = torch.distributed.get_rank() == 0
         # Under torchrun/accelerate a process that exits with its process group alive can abort in gloo's or
         # NCCL's teardown (SIGABRT, "terminate called without an active exception"), failing the launch.
         torch.distributed.destroy_process_group()
-    if writer:
+    if wrote_adapter:
         print(f"adapter saved to {args.output_dir}")
 
 

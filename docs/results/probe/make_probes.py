@@ -152,17 +152,16 @@ def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[di
         kinds = [*probe.always, *rng.sample(rest, 3 - len(probe.always))]
         facts: dict[str, str] = {}
         for kind in kinds:
-            pool = [w for w in words(probe.statements[kind][0], "test") if w not in facts.values()]
-            facts[kind] = rng.choice(pool)
+            facts[kind] = rng.choice([w for w in words(probe.statements[kind][0], "test") if w not in facts.values()])
         lines = [rng.choice(probe.statements[k][1]).format(v=v, a=with_article(v)) for k, v in facts.items()]
         lines += rng.sample(probe.chatter, steps - len(lines))
         rng.shuffle(lines)
         asked = rng.choice(kinds)
         value = facts[asked]
-        pool = probe.statements[asked][0]
+        word_list = probe.statements[asked][0]
         # A value of the same word list said in the sample (the friend beside the user's name) is a choice too.
-        twins = [v for k, v in facts.items() if k != asked and probe.statements[k][0] == pool]
-        unsaid = [w for w in words(pool, "test") if w not in facts.values()]
+        twins = [v for k, v in facts.items() if k != asked and probe.statements[k][0] == word_list]
+        unsaid = [w for w in words(word_list, "test") if w not in facts.values()]
         others = twins + rng.sample(unsaid, 2 - len(twins))
         contexts = [
             probe.context.format(subject=rng.choice(probe.subjects) if probe.subjects else "", line=line)
