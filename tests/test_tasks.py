@@ -139,29 +139,43 @@ def _templates(wording):
     ]
 
 
-def test_held_out_wordings_share_no_frame_or_phrase_with_training():
-    """No field name, separator phrase or sentence of an unseen wording occurs in any training sample."""
-    wordings = [w for family in FAMILIES_WITH_ITEMS for w in WORDINGS[family]]
-    seen_frames = {template for w in wordings if not w.held_out for template in _templates(w)}
-    held_out_parts = {
+_PHRASINGS = [p for fact in FACTS.values() for p in vars(fact).values() if isinstance(p, Phrasings)]
+_PHRASINGS += [OPENERS, CLOSERS, FILLER, ASIDES, SENTENCES, LIST_INTROS, TIPS]
+_WORDINGS = [w for family in FAMILIES_WITH_ITEMS for w in WORDINGS[family]]
+_SEEN_FRAMES = {template for w in _WORDINGS if not w.held_out for template in _templates(w)}
+
+
+def _held_out_parts():
+    """Field names and separators of unseen frames, and every part of 8 characters or more of unseen sentences."""
+    parts = {
         part
-        for w in wordings
+        for w in _WORDINGS
         if w.held_out
         for template in _templates(w)
-        if template not in seen_frames  # a rephrased chat keeps the ChatML frame; its sentences are new
+        if template not in _SEEN_FRAMES  # a rephrased chat keeps the ChatML frame; its sentences are new
         for part in _literal_parts(template)
     }
-    phrasings = [p for fact in FACTS.values() for p in vars(fact).values() if isinstance(p, Phrasings)]
-    phrasings += [OPENERS, CLOSERS, FILLER, ASIDES, SENTENCES, LIST_INTROS, TIPS]
-    for phrasing in phrasings:
-        for sentence in phrasing.unseen:
-            held_out_parts |= {part for part in _literal_parts(sentence) if len(part) >= 8}
-    for user, assistant in SMALL_TALK.unseen:
-        held_out_parts |= {part for part in _literal_parts(user) | _literal_parts(assistant) if len(part) >= 8}
+    unseen = [sentence for phrasing in _PHRASINGS for sentence in phrasing.unseen]
+    unseen += [sentence for pair in SMALL_TALK.unseen for sentence in pair]
+    return parts | {part for sentence in unseen for part in _literal_parts(sentence) if len(part) >= 8}
+
+
+def test_held_out_wordings_share_no_frame_or_phrase_with_training():
+    """No field name, separator phrase or sentence of an unseen wording occurs in any training sample."""
+    held_out_parts = _held_out_parts()
     training = "\n".join(
         _text(built.sample) for built in make_task_samples(MIXTURE, "train", 600, seed=0) if built.task != "document"
     )
     assert held_out_parts and not [part for part in held_out_parts if part in training]
+
+
+def test_no_seen_phrasing_or_frame_holds_a_held_out_phrase():
+    """The same, over every seen phrasing and frame rather than a sample of training text: a rare phrasing
+    that a sample of 600 misses still may not repeat an unseen one."""
+    seen = [sentence for phrasing in _PHRASINGS for sentence in phrasing.seen]
+    seen += [sentence for pair in SMALL_TALK.seen for sentence in pair]
+    held_out_parts = _held_out_parts()
+    assert not [(part, text) for part in held_out_parts for text in [*seen, *_SEEN_FRAMES] if part in text]
 
 
 @settings(max_examples=200, deadline=None)

@@ -115,6 +115,11 @@ ASIDES = Phrasings(
         "Question for you:",
         "Let me check something:",
         "Real quick,",
+        "Anyway,",
+        "Now,",
+        "Also, I was wondering,",
+        "Sorry, one question:",
+        "Just to check,",
     ),
     ("Random question:", "Also, just curious,"),
 )

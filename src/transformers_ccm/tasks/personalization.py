@@ -47,6 +47,13 @@ WORDINGS = (
     ProfileWording("personalization/note", "Note: {post}\n", "From these notes. {q}\nAnswer: {answer}"),
     ProfileWording("personalization/plain", "{post}\n", "{q}\n{answer}"),
     ProfileWording(
+        "personalization/log", "Log entry: {post}\n", "Question about whoever kept this log: {q}\nAnswer: {answer}"
+    ),
+    ProfileWording(
+        "personalization/review", "Review by the user: {post}\n", "Regarding the reviewer. {q}\nAnswer: {answer}"
+    ),
+    ProfileWording("personalization/profile", "Profile line: {post}\n", "Profile question: {q}\nAnswer: {answer}"),
+    ProfileWording(
         "personalization/status",
         "Status update: {post}\n",
         "Question about the author: {q}\nReply: {answer}",
@@ -67,6 +74,14 @@ FILLER = Phrasings(
         "Coffee first, then {v}.",
         "Who else is tired of hearing about {v}?",
         "Spent the evening reading up on {v}.",
+        "Someone asked me about {v} at lunch.",
+        "Trying to understand {v} better.",
+        "Found a great video on {v}.",
+        "Hot take: {v} is overrated.",
+        "Writing a short essay on {v}.",
+        "Long queue at the shop, so I read about {v}.",
+        "Is {v} worth learning about?",
+        "Note to self: look into {v}.",
         *(user for user, _ in SMALL_TALK.seen),
     ),
     ("Can't believe how much I've read about {v} this month.", *(user for user, _ in SMALL_TALK.unseen)),

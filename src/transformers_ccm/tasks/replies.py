@@ -33,6 +33,14 @@ SENTENCES = Phrasings(
         "Many people find it helps to write things down.",
         "It might take a few days before you notice a change.",
         "I remember a story about {name}, who worked as {job_a} and loved {v}.",
+        "A good night's sleep makes almost everything easier.",
+        "You could try it for a week and see how you feel.",
+        "{name} told me that {v} changed the way they think.",
+        "Even {job_a} needs a day off now and then.",
+        "There are plenty of books on {v} if you want to dig deeper.",
+        "Don't be too hard on yourself.",
+        "It helps to talk to friends about it.",
+        "Some people swear by a morning routine.",
     ),
     (
         "Everyone's situation is different, of course.",
@@ -43,7 +51,15 @@ SENTENCES = Phrasings(
     ),
 )
 LIST_INTROS = Phrasings(
-    ("Here are a few ideas:", "Some tips that might help:", "A few things to try:", "Here's what I'd suggest:"),
+    (
+        "Here are a few ideas:",
+        "Some tips that might help:",
+        "A few things to try:",
+        "Here's what I'd suggest:",
+        "A couple of suggestions:",
+        "These might help:",
+        "What works for many people:",
+    ),
     ("You might consider the following:", "Options worth a look:"),
 )
 TIPS = Phrasings(
@@ -58,6 +74,12 @@ TIPS = Phrasings(
         "Set a small goal for each day.",
         "Turn off your phone an hour before bed.",
         "Try something new every week.",
+        "Stretch for five minutes after waking up.",
+        "Write down three good things each evening.",
+        "Call {name} and ask how they manage.",
+        "Listen to a podcast about {v}.",
+        "Cook a simple meal at home.",
+        "Keep your desk tidy.",
     ),
     ("Spend ten quiet minutes outdoors.", "Talk it over with {name}.", "Look up {v} at the library."),
 )
