@@ -1,4 +1,5 @@
-"""Sharing an adapter: save it in PEFT format, load it back, and see the same answers.
+"""Sharing an adapter: save it in PEFT format, load it back, and see the same answers; then load it into a
+model with more `<COMP>` tokens, to go on training it with more memory slots per context.
 
     python examples/sharing.py
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from quick_tour import QUERY, build_base, build_model, train
-from transformers_ccm import CCMForCausalLM
+from transformers_ccm import CCMConfig, CCMForCausalLM
 
 
 def answer(model: CCMForCausalLM) -> int:
@@ -32,7 +33,11 @@ def main() -> None:
         # The tour's base model exists only in memory, so it is passed in; a saved or Hub base model is
         # found from ccm_config.json instead.
         loaded = CCMForCausalLM.from_pretrained(folder, base_model=build_base())
+        # Four slots per context instead of two: the saved <COMP> embeddings, then copies of the last one.
+        grown = CCMForCausalLM.from_base(build_base(), CCMConfig(num_comp_tokens=4, update="merge", lora_dropout=0.0))
+        grown.load_adapter(folder, resize_comp_tokens=True)
     print(f"answer before saving: {answer(model)}, after loading: {answer(loaded.eval())} (expected 52)")
+    print(f"with {grown.config.num_comp_tokens} <COMP> tokens, before any training: {answer(grown.eval())}")
 
 
 if __name__ == "__main__":

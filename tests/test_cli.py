@@ -91,6 +91,20 @@ def test_train_continues_an_adapter_with_its_structure(tiny_model, adapter, tmp_
     assert not (tmp_path / "refused").exists()
 
 
+def test_train_continues_an_adapter_with_more_comp_tokens(tiny_model, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    single = tmp_path / "single"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig(num_comp_tokens=1)).save_pretrained(single)
+    out = tmp_path / "grown"
+    train(tiny_model, out, 1, "--init-adapter", str(single), "--num-comp-tokens", "3", "--learning-rate", "0")
+    assert "except --num-comp-tokens 3" in capsys.readouterr().out
+    assert json.loads((out / "ccm_config.json").read_text())["num_comp_tokens"] == 3
+    before, after = load_file(single / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert torch.equal(after["ccm.comp_embeddings"], before["ccm.comp_embeddings"].expand(3, -1))
+    assert all(torch.equal(before[name], after[name]) for name in before if name != "ccm.comp_embeddings")
+
+
 def test_train_on_a_jsonl_file(tiny_model, tmp_path):
     from transformers_ccm.tasks import make_samples, save_jsonl
 

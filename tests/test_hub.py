@@ -238,6 +238,19 @@ def test_load_adapter_of_another_structure_changes_nothing(tmp_path):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.parametrize(("saved", "wanted"), [(1, 3), (3, 2), (2, 2)])
+def test_load_adapter_resizes_comp_tokens_when_asked(tmp_path, saved, wanted):
+    source = _adapter(None, seed=3, num_comp_tokens=saved)
+    source.save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9, num_comp_tokens=wanted)
+    target.load_adapter(tmp_path / "adapter", resize_comp_tokens=True)
+    assert target.config.num_comp_tokens == wanted and target.comp_embeddings.shape[0] == wanted
+    kept = source.comp_embeddings.detach()
+    rows = [kept[min(row, saved - 1)] for row in range(wanted)]  # the saved rows, then copies of the last
+    assert torch.equal(target.comp_embeddings.detach(), torch.stack(rows))
+    assert all(torch.equal(value, target.lora_state_dict()[name]) for name, value in source.lora_state_dict().items())
+
+
 def test_weights_that_do_not_fit_change_nothing(tmp_path):
     model = _adapter(None)
     model.save_pretrained(tmp_path / "adapter")

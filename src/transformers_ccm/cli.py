@@ -110,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         else tokens_before_compression(streaming) + args.stream_chunks * args.compress_chunk + 1
     )
     config = CCMConfig(
-        num_comp_tokens=args.num_comp_tokens,
+        num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
         update=args.update,
         ema_alpha=args.ema_alpha,
         r=args.lora_r,
@@ -124,10 +124,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.distill_teacher:
         config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
-        config = _initial_adapter_config(args.init_adapter, config)
+        config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens)
     model = CCMForCausalLM.from_base(args.model, config)
     if args.init_adapter:
-        model.load_adapter(args.init_adapter)
+        model.load_adapter(args.init_adapter, resize_comp_tokens=True)
         model.config = replace(model.config, trained_on=config.trained_on)
     tokenizer = load_tokenizer(args.model)
     recipe = TrainingRecipe(
@@ -177,8 +177,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"adapter saved to {args.output_dir}")
 
 
-def _initial_adapter_config(adapter: str, requested: CCMConfig) -> CCMConfig:
-    """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text."""
+def _initial_adapter_config(adapter: str, requested: CCMConfig, num_comp_tokens: int | None) -> CCMConfig:
+    """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text, and
+    `num_comp_tokens` `<COMP>` tokens where given."""
     from transformers_ccm.hub import read_adapter, resolve_adapter
 
     config, _ = read_adapter(resolve_adapter(adapter))
@@ -194,6 +195,14 @@ def _initial_adapter_config(adapter: str, requested: CCMConfig) -> CCMConfig:
         for flag, name in (("--update", "update"), ("--num-comp-tokens", "num_comp_tokens"), ("--lora-r", "r"))
     )
     print(f"continuing {adapter}: its structure is kept ({kept})")
+    if num_comp_tokens is not None and num_comp_tokens != config.num_comp_tokens:
+        print(
+            f"  except --num-comp-tokens {num_comp_tokens}: its <COMP> embeddings are kept, and extra ones start as "
+            "copies of its last"
+            if num_comp_tokens > config.num_comp_tokens
+            else f"  except --num-comp-tokens {num_comp_tokens}: its first {num_comp_tokens} <COMP> embeddings are kept"
+        )
+        config = replace(config, num_comp_tokens=num_comp_tokens)
     # The card tells the adapter's whole training, earlier stages first.
     trained_on = f"{config.trained_on}, then {requested.trained_on}" if config.trained_on else requested.trained_on
     return replace(config, trained_on=trained_on, base_model_shape=None)
@@ -534,7 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
     train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
-    train.add_argument("--num-comp-tokens", type=int, default=2)
+    train.add_argument(
+        "--num-comp-tokens",
+        type=int,
+        default=None,
+        help=f"<COMP> tokens (memory slots) per context (default {CCMConfig.num_comp_tokens}; with --init-adapter, its "
+        "own count, and a different one here resizes it)",
+    )
     train.add_argument("--ema-alpha", type=float, default=0.5)
     train.add_argument("--lora-r", type=int, default=8)
     train.add_argument("--steps", type=int, default=300)
@@ -550,8 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--init-adapter",
         default=None,
-        help="start from this adapter (a folder, Hub id or ccm:name) instead of a fresh one; its update rule, "
-        "<COMP> count and LoRA shape are kept (--update, --num-comp-tokens and --lora-r are ignored)",
+        help="start from this adapter (a folder, Hub id or ccm:name) instead of a fresh one; its update rule and "
+        "LoRA shape are kept (--update and --lora-r are ignored), and its <COMP> count unless --num-comp-tokens "
+        "asks for another",
     )
     train.add_argument(
         "--method",

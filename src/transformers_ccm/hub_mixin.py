@@ -122,14 +122,24 @@ class AdapterHubMixin:
         revision: str | None = None,
         token: str | bool | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        resize_comp_tokens: bool = False,
     ) -> None:
         """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
-        length); its update rule comes along. Nothing changes if anything does not match."""
+        length); its update rule comes along. Nothing changes if anything does not match.
+
+        With `resize_comp_tokens=True` an adapter with another number of `<COMP>` tokens loads too, to continue
+        training with more (or fewer) memory slots per context: the model keeps its own count, its first tokens
+        take the adapter's embeddings and any further ones copies of the adapter's last, so a grown adapter
+        starts out close to the saved one and training tells the copies apart."""
         folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
         config, tensors = read_adapter(folder)
         check_base_shape(
             config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
         )
+        saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
+        if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2:  # else the checks below say why
+            tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
+            config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
         structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
         different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
         if different:
@@ -160,3 +170,9 @@ class AdapterHubMixin:
             lora = {key: value for key, value in tensors.items() if key != COMP_EMBEDDINGS_KEY}
             set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
             self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
+
+
+def _resized(comp_embeddings: torch.Tensor, count: int) -> torch.Tensor:
+    """`(count, hidden)`: the first `count` rows of `comp_embeddings` `(n, hidden)`, then copies of its last row."""
+    extra = comp_embeddings[-1:].expand(max(0, count - len(comp_embeddings)), -1)
+    return torch.cat([comp_embeddings[:count], extra])
