@@ -26,7 +26,8 @@ test: install
 # ccm:smollm2-full-context; about 65 minutes); then 150 steps of 8 with the same teacher on a mixture with long
 # chats (about 50 minutes); then 200 steps of 8 with facts said in passing and varied transcripts (about 55
 # minutes); then 150 steps of 8 with a friend named beside the user in half of the dialogues (about 45 minutes);
-# then 150 with each fact said in more ways (about 50 minutes), and 150 with more ways again (about 45 minutes).
+# then 150 with each fact said in more ways (about 50 minutes), 150 with more ways again (about 45 minutes),
+# and 100 with a third round (about 32 minutes).
 # Merge: the same first stage, then 200 steps of 8 distilled from the fine-tuned full-context baseline (about 52
 # minutes), then 100 steps of 8 with long chats (about 35 minutes), then 50 steps of 8 as concat's last stage
 # (about 16 minutes), then 100 more of the same on new samples (about 31 minutes), then 100 with a friend
@@ -61,6 +62,7 @@ adapters: install
 	$(call distilled,stage6-concat,$(MORE_DIALOGUE),150,50,6,stage7-concat)
 	$(call distilled,stage7-concat,$(MORE_DIALOGUE),150,50,8,stage8-concat)
 	$(call distilled,stage8-concat,$(MORE_DIALOGUE),150,50,9,stage9-concat)
+	$(call distilled,stage9-concat,$(MORE_DIALOGUE),100,50,10,stage10-concat)
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(call distilled,stage1-merge,$(TO_ICL),200,50,0,stage2-merge)
@@ -70,7 +72,7 @@ adapters: install
 	$(call distilled,stage5-merge,$(MORE_DIALOGUE),100,50,7,stage6-merge)
 	$(call distilled,stage6-merge,$(MORE_DIALOGUE),75,75,9,stage7-merge)
 	$(call distilled,stage7-merge,$(MORE_DIALOGUE),75,75,10,stage8-merge)
-	cd out/stage9-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage10-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
 	cd out/stage8-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat

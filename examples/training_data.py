@@ -36,7 +36,8 @@ MIXTURE = "icl:3,personalization:1,dialogue:1"
 def main() -> None:
     built = make_task_samples(MIXTURE, "train", 40, seed=0)
     print("families:", dict(Counter(sample.task for sample in built)))
-    varied = [sample.sample for sample in built if sample.wording == "icl/varied"]
+    # Drawn from the ICL family alone, so that adding wordings to other families leaves these samples as they are.
+    varied = [b.sample for b in make_task_samples("icl", "train", 60, seed=0) if b.wording == "icl/varied"]
     for sample in varied[:2]:
         print("a varied ICL frame:", repr(sample.contexts[0]), "->", repr(sample.input), repr(sample.output))
 
