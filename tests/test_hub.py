@@ -251,6 +251,20 @@ def test_load_adapter_resizes_comp_tokens_when_asked(tmp_path, saved, wanted):
     assert all(torch.equal(value, target.lora_state_dict()[name]) for name, value in source.lora_state_dict().items())
 
 
+def test_resizing_a_crafted_comp_embedding_is_refused_and_changes_nothing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _adapter(None).save_pretrained(tmp_path / "adapter")
+    weights = str(tmp_path / "adapter" / "adapter_model.safetensors")
+    tensors = load_file(weights)
+    save_file({**tensors, "ccm.comp_embeddings": tensors["ccm.comp_embeddings"][:0]}, weights)
+    target = _adapter(None, seed=9, num_comp_tokens=3)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match="num_comp_tokens: adapter 2 vs model 3"):
+        target.load_adapter(tmp_path / "adapter", resize_comp_tokens=True)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
 def test_weights_that_do_not_fit_change_nothing(tmp_path):
     model = _adapter(None)
     model.save_pretrained(tmp_path / "adapter")

@@ -137,7 +137,8 @@ class AdapterHubMixin:
             config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
         )
         saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
-        if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2:  # else the checks below say why
+        # A missing or malformed embedding is left as it is, for the checks below to reject with their message.
+        if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
             tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
             config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
         structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
