@@ -196,12 +196,12 @@ def _initial_adapter_config(adapter: str, requested: CCMConfig, num_comp_tokens:
     )
     print(f"continuing {adapter}: its structure is kept ({kept})")
     if num_comp_tokens is not None and num_comp_tokens != config.num_comp_tokens:
-        print(
-            f"  except --num-comp-tokens {num_comp_tokens}: its <COMP> embeddings are kept, and extra ones start as "
-            "copies of its last"
+        kept_embeddings = (
+            "its <COMP> embeddings are kept, and extra ones start as copies of its last"
             if num_comp_tokens > config.num_comp_tokens
-            else f"  except --num-comp-tokens {num_comp_tokens}: its first {num_comp_tokens} <COMP> embeddings are kept"
+            else f"its first {num_comp_tokens} <COMP> embeddings are kept"
         )
+        print(f"  except --num-comp-tokens {num_comp_tokens}: {kept_embeddings}")
         config = replace(config, num_comp_tokens=num_comp_tokens)
     # The card tells the adapter's whole training, earlier stages first.
     trained_on = f"{config.trained_on}, then {requested.trained_on}" if config.trained_on else requested.trained_on
