@@ -1,0 +1,24 @@
+"""Demo recall of adapter directories, as tests/test_demo.py's slow test asks it, on `count` held-out people."""
+
+import sys
+
+sys.path.insert(0, "tests")
+from test_demo import ASKED, held_out_people
+from transformers_ccm import CCMForCausalLM
+from transformers_ccm.chat import ChatSession
+from transformers_ccm.cli import demo_script
+from transformers_ccm.embedded import load_tokenizer
+
+count = int(sys.argv[1])
+tokenizer = load_tokenizer("default")
+for adapter in sys.argv[2:]:
+    model = CCMForCausalLM.from_pretrained(adapter).eval()
+    hits = {fact: 0 for fact in ASKED}
+    for person in held_out_people(count):
+        session = ChatSession(model, tokenizer, max_new_tokens=24)
+        replies = [session.turn(message).reply for message in demo_script(**person)]
+        for fact, reply in zip(ASKED, replies[-3:], strict=True):
+            ok = person[fact].lower() in reply.lower()
+            hits[fact] += ok
+            print(f"{adapter} {'OK  ' if ok else 'MISS'} {fact}={person[fact]!r}: {reply!r}")
+    print(f"{adapter}: recalled {sum(hits.values())} of {3 * count}: {hits}")
