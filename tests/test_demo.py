@@ -4,6 +4,7 @@ mentioned among small talk."""
 import random
 
 import pytest
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm import CCMForCausalLM
 from transformers_ccm.chat import ChatSession
@@ -39,15 +40,22 @@ def held_out_people(count: int) -> list[dict[str, str]]:
     return people
 
 
+def recalled(
+    model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, person: dict[str, str]
+) -> list[tuple[str, str]]:
+    """The demo conversation for `person` in compressed memory: each asked fact with the reply to its question."""
+    session = ChatSession(model, tokenizer, max_new_tokens=24)
+    replies = [session.turn(message).reply for message in demo_script(**person)]
+    return list(zip(ASKED, replies[-3:], strict=True))
+
+
 @pytest.mark.slow
 def test_concat_adapter_recalls_held_out_names_jobs_and_friends():
     model = CCMForCausalLM.from_pretrained("ccm:smollm2-concat").eval()
     tokenizer = load_tokenizer("default")
     missed = []
     for person in held_out_people(4):
-        session = ChatSession(model, tokenizer, max_new_tokens=24)
-        replies = [session.turn(message).reply for message in demo_script(**person)]
-        for fact, reply in zip(ASKED, replies[-3:], strict=True):
+        for fact, reply in recalled(model, tokenizer, person):
             if person[fact].lower() not in reply.lower():
                 missed.append((fact, person[fact], reply))
     assert not missed, f"{len(missed)} of {3 * 4} facts not recalled: {missed}"

@@ -1,11 +1,13 @@
 """Probes in wordings no built-in task uses, with three choices per question and items from the test split (names,
-jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jsonl:
+jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jsonl (other draws with --seed,
+--count and --out-dir):
 
 - messages: a user's text messages (facts in fresh phrasings among chatter), then a quiz question;
 - emails: a user's emails with subject lines, in which the user's name and a friend's name both appear (the
   hard case of recall), then a form field to fill in.
 """
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -178,8 +180,15 @@ def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[di
     return out
 
 
-for name, probe in (("messages", MESSAGES), ("emails", EMAILS)):
-    path = Path(f"docs/results/probe/{name}-t8.jsonl")
-    samples = records(probe, seed=2026)
-    path.write_text("".join(json.dumps(r) + "\n" for r in samples))
-    print(path, len(samples))
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--count", type=int, default=48, help="samples per probe")
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/results/probe"))
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name, probe in (("messages", MESSAGES), ("emails", EMAILS)):
+        path = args.out_dir / f"{name}-t8.jsonl"
+        samples = records(probe, seed=args.seed, count=args.count)
+        path.write_text("".join(json.dumps(r) + "\n" for r in samples))
+        print(path, len(samples))

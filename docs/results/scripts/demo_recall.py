@@ -3,10 +3,8 @@
 import sys
 
 sys.path.insert(0, "tests")
-from test_demo import ASKED, held_out_people
+from test_demo import ASKED, held_out_people, recalled
 from transformers_ccm import CCMForCausalLM
-from transformers_ccm.chat import ChatSession
-from transformers_ccm.cli import demo_script
 from transformers_ccm.embedded import load_tokenizer
 
 count = int(sys.argv[1])
@@ -15,9 +13,7 @@ for adapter in sys.argv[2:]:
     model = CCMForCausalLM.from_pretrained(adapter).eval()
     hits = {fact: 0 for fact in ASKED}
     for person in held_out_people(count):
-        session = ChatSession(model, tokenizer, max_new_tokens=24)
-        replies = [session.turn(message).reply for message in demo_script(**person)]
-        for fact, reply in zip(ASKED, replies[-3:], strict=True):
+        for fact, reply in recalled(model, tokenizer, person):
             ok = person[fact].lower() in reply.lower()
             hits[fact] += ok
             print(f"{adapter} {'OK  ' if ok else 'MISS'} {fact}={person[fact]!r}: {reply!r}")

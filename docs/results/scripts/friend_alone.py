@@ -20,14 +20,5 @@ for person in held_out_people(int(sys.argv[2])):
         for index in turns:
             session.turn(script[index])
         reply = session.turn("What was my friend's name?").reply
-        print(
-            person["name"],
-            person["friend"],
-            "|",
-            plan,
-            "|",
-            person["friend"].lower() in reply.lower(),
-            "|",
-            reply,
-            flush=True,
-        )
+        hit = person["friend"].lower() in reply.lower()
+        print(f"{person['name']} {person['friend']} | {plan} | {hit} | {reply}", flush=True)

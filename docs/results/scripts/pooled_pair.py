@@ -1,18 +1,21 @@
-"""Paired accuracy difference (SECOND - FIRST) pooled over several eval.json files of the same two adapters, with a
-95% paired-bootstrap interval: python docs/results/scripts/pooled_pair.py FIRST SECOND EVAL_JSON [EVAL_JSON ...]."""
+"""Paired difference of SECOND against FIRST pooled over the samples of several eval.json files that score both
+adapters (e.g. two draws of one probe), with `ccm eval`'s 95% paired bootstrap:
+python docs/results/scripts/pooled_pair.py FIRST SECOND EVAL_JSON [EVAL_JSON ...]."""
 
 import json
-import random
 import sys
 from pathlib import Path
 
+from transformers_ccm.evaluation import difference_text, paired_difference
+
 first, second, *paths = sys.argv[1:]
-diffs = []
+pooled: dict[str, dict] = {}
 for path in paths:
-    rows = {r["method"]: r for r in json.loads(Path(path).read_text())["results"]}
-    a = next(r for m, r in rows.items() if m.endswith(first))["per_sample"]
-    b = next(r for m, r in rows.items() if m.endswith(second))["per_sample"]
-    diffs += [y[0] - x[0] for x, y in zip(a, b, strict=True)]
-rng = random.Random(0)
-boots = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(10_000))
-print(f"{len(diffs)} samples: {sum(diffs) / len(diffs):+.3f} [{boots[250]:+.3f}, {boots[9749]:+.3f}]")
+    for row in json.loads(Path(path).read_text())["results"]:
+        for suffix in (first, second):
+            if row["method"].endswith(suffix):
+                into = pooled.setdefault(suffix, {**row, "per_sample": []})
+                into["per_sample"] = into["per_sample"] + row["per_sample"]
+difference = paired_difference(pooled[first], pooled[second])
+samples = len(pooled[first]["per_sample"])
+print(f"{samples} samples: {difference_text(difference, pooled[second]['metric'])}")
