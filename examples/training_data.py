@@ -4,8 +4,9 @@ the same held-out samples; then long text trained as a stream, through the strea
 measures.
 
 A weighted mixture gives cheap or important families more turns ("icl:3,dialogue:1": three ICL samples, then
-one dialogue, and again). ICL's `icl/varied` wording composes a new frame for every sample, so an adapter
-learns to read demonstrations, not one template. The run below uses a tiny random model with the embedded
+one dialogue, and again). ICL's `icl/varied` wording composes a new frame for every sample, and
+`personalization/varied` new post and question frames for every user, so an adapter learns to read
+demonstrations and profiles, not one template. The run below uses a tiny random model with the embedded
 model's tokenizer so that it finishes in seconds; `ccm train --model default --task "icl:3,dialogue:1"` is
 the same on the real model, and so is `ccm train --task text-varied --supervision stream`.
 
@@ -40,6 +41,10 @@ def main() -> None:
     varied = [b.sample for b in make_task_samples("icl", "train", 60, seed=0) if b.wording == "icl/varied"]
     for sample in varied[:2]:
         print("a varied ICL frame:", repr(sample.contexts[0]), "->", repr(sample.input), repr(sample.output))
+    # Personalization's `personalization/varied` composes the post and question frames anew for every user.
+    built_profiles = make_task_samples("personalization", "train", 60, seed=0, steps=2)
+    profile = next(b.sample for b in built_profiles if b.wording == "personalization/varied")
+    print("a varied profile:", repr(profile.contexts), "->", repr(profile.input), repr(profile.output))
 
     tokenizer = load_tokenizer("default")
     base = tiny_llama(len(tokenizer))

@@ -26,7 +26,7 @@ from transformers_ccm.tasks.dialogue import ASIDES, varied_exchange
 from transformers_ccm.tasks.document import passages
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, with_lookalike
 from transformers_ccm.tasks.icl import varied_frame
-from transformers_ccm.tasks.personalization import FILLER
+from transformers_ccm.tasks.personalization import FILLER, varied_profile
 from transformers_ccm.tasks.replies import LIST_INTROS, SENTENCES, TIPS, ramble
 from transformers_ccm.tasks.vocabulary import POOLS, in_test_split, words
 from transformers_ccm.tasks.wordings import Phrasings, at_answer
@@ -212,6 +212,33 @@ def test_varied_exchanges_are_many_and_read_as_they_are_written(seed, question):
         for part in _literal_parts(w.exchange)
     }
     assert not [part for part in held_out if part in exchange]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), question=st.sampled_from(["Who is this user's friend?", "Where from?"]))
+def test_varied_profiles_are_many_and_read_as_they_are_written(seed, question):
+    """Every varied profile has one post field, and a question before its answer; cut at the answer, prompt +
+    output is the question as written; and neither shares a field name or phrase with a held-out wording."""
+    post, frame = varied_profile(random.Random(seed))
+    assert post.count("{post}") == 1 and post.format(post="I keep a goat.").count("I keep a goat.") == 1
+    assert frame.count("{q}") == frame.count("{answer}") == 1 and frame.index("{q}") < frame.index("{answer}")
+    prompt, output = at_answer(frame, "Mirela", q=question)
+    assert prompt + output == frame.format(q=question, answer="Mirela").rstrip()
+    assert not prompt.endswith(" ") and output.strip().startswith("Mirela")
+    held_out = {
+        part
+        for w in WORDINGS["personalization"]
+        if w.held_out
+        for template in (w.post, w.question)
+        for part in _literal_parts(template)
+    }
+    assert not [part for part in held_out if part in post + frame]
+
+
+def test_varied_profiles_give_many_frames_in_training():
+    wordings = [built.wording for built in make_task_samples("personalization", "train", 400, seed=0, steps=1)]
+    assert wordings.count("personalization/varied") >= 400 // (2 * len(wording_ids("personalization", "seen")))
+    assert len({varied_profile(random.Random(seed)) for seed in range(300)}) >= 200
 
 
 @pytest.mark.parametrize("family", ["dialogue", "chat"])

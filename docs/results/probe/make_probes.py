@@ -4,7 +4,10 @@ jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jso
 
 - messages: a user's text messages (facts in fresh phrasings among chatter), then a quiz question;
 - emails: a user's emails with subject lines, in which the user's name and a friend's name both appear (the
-  hard case of recall), then a form field to fill in.
+  hard case of recall), then a form field to fill in;
+- notes: a party planner's notes about three guests, in the third person, two of whom share the kind of fact asked
+  about (two jobs, two home states or two pets), then a seating-chart field for one guest: the facts must be told
+  apart by whom they belong to, not only by their kind.
 """
 
 import argparse
@@ -146,6 +149,81 @@ EMAILS = Probe(
 )
 
 
+# Third-person facts about guests: kind: (word list, phrasings with {p} the guest, field asked).
+GUEST_FACTS = {
+    "job": (
+        "job",
+        [
+            "{p} works as {a} now, so expect shop talk at table two.",
+            "Seat {p} away from the speakers; {p} is {a} and starts early.",
+            "{p} ({v}) can only stay until nine.",
+            "Ask {p} about the new job as {a}.",
+        ],
+        "{p}'s occupation",
+    ),
+    "home": (
+        "state",
+        [
+            "{p} is driving in from {v} on the morning of the party.",
+            "{p} still lives in {v}; book the hotel near the station.",
+            "Flights from {v} were delayed, so {p} may arrive late.",
+        ],
+        "the state {p} travels from",
+    ),
+    "pet": (
+        "pet",
+        [
+            "{p} wants to bring the {v}; check with the venue.",
+            "{p}'s {v} needs a quiet room upstairs.",
+            "Remind {p} that the {v} has to stay on the terrace.",
+        ],
+        "the animal {p} brings",
+    ),
+}
+PLANNER_CHATTER = [
+    "Order twenty more chairs.",
+    "The band arrives at seven.",
+    "Check the parking situation.",
+    "Cake pickup is Saturday at noon.",
+    "Buy ice the day before.",
+    "Confirm the caterer's menu.",
+    "Print the name cards.",
+    "Rain plan: move everything inside.",
+]
+
+
+def guest_records(seed: int, count: int = 48, steps: int = 8) -> list[dict]:
+    """The notes probe: three guests, the asked kind held by two of them, the other guest's value as a choice."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        guests = rng.sample(words("first_name", "test"), 3)
+        asked_kind = rng.choice(sorted(GUEST_FACTS))
+        other_kind = rng.choice([kind for kind in sorted(GUEST_FACTS) if kind != asked_kind])
+        kinds = [asked_kind, asked_kind, other_kind]
+        facts: list[tuple[str, str, str]] = []  # (guest, kind, value)
+        for guest, kind in zip(guests, kinds, strict=True):
+            taken = [value for _, _, value in facts]
+            facts.append((guest, kind, rng.choice([w for w in words(GUEST_FACTS[kind][0], "test") if w not in taken])))
+        lines = [
+            rng.choice(GUEST_FACTS[kind][1]).format(p=guest, v=value, a=with_article(value))
+            for guest, kind, value in facts
+        ]
+        lines += rng.sample(PLANNER_CHATTER, steps - len(lines))
+        rng.shuffle(lines)
+        (guest, _, value), (_, _, twin) = facts[0], facts[1]
+        unsaid = [w for w in words(GUEST_FACTS[asked_kind][0], "test") if w not in (value, twin)]
+        out.append(
+            {
+                "contexts": [f"Planner note {i + 1}: {line}\n" for i, line in enumerate(lines)],
+                "input": f"Seating chart - {GUEST_FACTS[asked_kind][2].format(p=guest)}:",
+                "output": f" {value}",
+                "choices": [f" {option}" for option in rng.sample([value, twin, rng.choice(unsaid)], 3)],
+            }
+        )
+    return out
+
+
 def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[dict]:
     rng = random.Random(seed)
     out = []
@@ -187,8 +265,12 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=Path("docs/results/probe"))
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, probe in (("messages", MESSAGES), ("emails", EMAILS)):
+    draws = {
+        "messages": records(MESSAGES, seed=args.seed, count=args.count),
+        "emails": records(EMAILS, seed=args.seed, count=args.count),
+        "notes": guest_records(seed=args.seed, count=args.count),
+    }
+    for name, samples in draws.items():
         path = args.out_dir / f"{name}-t8.jsonl"
-        samples = records(probe, seed=args.seed, count=args.count)
         path.write_text("".join(json.dumps(r) + "\n" for r in samples))
         print(path, len(samples))

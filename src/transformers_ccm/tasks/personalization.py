@@ -15,12 +15,66 @@ from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
 
 @dataclass(frozen=True)
 class ProfileWording:
-    """A post (`{post}`) and the question about the user (`{q}`, then `{answer}`)."""
+    """A post (`{post}`) and the question about the user (`{q}`, then `{answer}`). `varied`: both composed anew
+    for every user (then `post` and `question` are unused)."""
 
     id: str
     post: str
     question: str
     held_out: bool = False
+    varied: bool = False
+
+    def frames(self, rng: random.Random) -> tuple[str, str]:
+        """The post and question templates of one user."""
+        return varied_profile(rng) if self.varied else (self.post, self.question)
+
+
+# Parts of varied profiles. None belongs to a held-out wording (no "Status", "update", "Reply", "author", quotes, square brackets,
+# "Q)" or "The answer is"), so unseen wordings stay unseen.
+_SOURCES = (
+    "Post", "Entry", "Shared", "Posted", "Thread", "Blog", "Caption", "Memo", "Feed", "Snippet", "Story", "Remark",
+    "Record", "Thought", "Journal", "Log", "Diary", "Comment", "Bio", "Notebook", "Page", "Mention",
+)  # fmt: skip
+_HANDLES = ("me", "user", "author", "poster", "owner", "writer", "member", "profile")
+_QUESTION_KEYS = (
+    "Question", "Ask", "Query", "Prompt", "About this person", "About the writer", "About the poster", "Check",
+    "Profile check", "Question about them", "Help me recall", "Fact check",
+)  # fmt: skip
+_ANSWER_KEYS = ("Answer", "Response", "Result", "Solution", "Output", "Filled in", "It is")
+_SEPARATORS = (": ", " - ", " > ", " | ", " :: ", " = ")
+_POST_ENDINGS = ("\n", "\n", "\n\n", "\n---\n", " //\n")
+
+
+def varied_profile(rng: random.Random) -> tuple[str, str]:
+    """A post template and a question template composed at random: a source label before the post, after it,
+    as a heading or a handle; the question and its answer under keys, on one line or two, or as headings."""
+
+    def case(text: str) -> str:
+        return text.lower() if rng.random() < 0.25 else text
+
+    source, separator = case(rng.choice(_SOURCES)), rng.choice(_SEPARATORS)
+    layout = rng.randrange(5)
+    if layout == 0:
+        post = f"{source}{separator}{{post}}"
+    elif layout == 1:
+        post = f"({source}) {{post}}"
+    elif layout == 2:
+        post = f"{source}:\n{{post}}"
+    elif layout == 3:
+        post = f"@{rng.choice(_HANDLES)}{separator}{{post}}"
+    else:
+        post = f"{{post}} ({source.lower()})"
+    question_key, answer_key = case(rng.choice(_QUESTION_KEYS)), case(rng.choice(_ANSWER_KEYS))
+    layout = rng.randrange(3)
+    if layout == 0:
+        question = f"{question_key}{separator}{{q}}\n{answer_key}{separator}{{answer}}"
+    elif layout == 1:
+        question = f"{question_key}{separator}{{q}} {answer_key}{separator}{{answer}}"
+    else:
+        heading = rng.choice(("### ", "## ", "**"))
+        close = "**" if heading == "**" else ""
+        question = f"{heading}{question_key}{close}\n{{q}}\n{heading}{answer_key}{close}\n{{answer}}"
+    return post + rng.choice(_POST_ENDINGS), question
 
 
 WORDINGS = (
@@ -53,6 +107,7 @@ WORDINGS = (
         "personalization/review", "Review by the user: {post}\n", "Regarding the reviewer. {q}\nAnswer: {answer}"
     ),
     ProfileWording("personalization/profile", "Profile line: {post}\n", "Profile question: {q}\nAnswer: {answer}"),
+    ProfileWording("personalization/varied", "", "", varied=True),
     ProfileWording(
         "personalization/status",
         "Status update: {post}\n",
@@ -92,6 +147,7 @@ def personalization_sample(
     rng: random.Random, split: Split, steps: int, wording: ProfileWording, choices: int = 3
 ) -> Built:
     """A user with `steps` posts (some reveal facts, the rest are filler) and a question about one fact."""
+    post_frame, question_frame = wording.frames(rng)
     profile = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
     posts = [fill(FACTS[kind].statements.pick(rng, wording.held_out), value) for kind, value in profile.items()]
     while len(posts) < steps:
@@ -103,11 +159,11 @@ def personalization_sample(
     options = [value, *rng.sample(pool, choices - 1)]
     rng.shuffle(options)
     question = FACTS[asked].about.pick(rng, wording.held_out)
-    prompt, output = at_answer(wording.question, value, q=question)
+    prompt, output = at_answer(question_frame, value, q=question)
     sample = OnlineSample(
-        contexts=[wording.post.format(post=post) for post in posts],
+        contexts=[post_frame.format(post=post) for post in posts],
         input=prompt,
         output=output,
-        choices=[at_answer(wording.question, option, q="")[1] for option in options],
+        choices=[at_answer(question_frame, option, q="")[1] for option in options],
     )
     return sample, (*profile.values(), *options)
