@@ -32,7 +32,8 @@ test: install
 # minutes), then 100 steps of 8 with long chats (about 35 minutes), then 50 steps of 8 as concat's last stage
 # (about 16 minutes), then 100 more of the same on new samples (about 31 minutes), then 100 with a friend
 # beside the user (about 37 minutes), then 75 on the data that says each fact in more ways (about 34 minutes),
-# 75 on more ways again (about 25 minutes), and 100 on a third round (about 32 minutes).
+# 75 on more ways again (about 25 minutes), 100 on a third round (about 32 minutes), and 100 with four
+# <COMP> tokens instead of two (about 35 minutes).
 # On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
 # Options every stage distilled from the fine-tuned full-context baseline shares.
@@ -73,8 +74,9 @@ adapters: install
 	$(call distilled,stage6-merge,$(MORE_DIALOGUE),75,75,9,stage7-merge)
 	$(call distilled,stage7-merge,$(MORE_DIALOGUE),75,75,10,stage8-merge)
 	$(call distilled,stage8-merge,$(MORE_DIALOGUE),100,50,11,stage9-merge)
+	$(call distilled,stage9-merge,$(MORE_DIALOGUE),100,50,13,stage10-merge) --num-comp-tokens 4
 	cd out/stage10-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
-	cd out/stage9-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
+	cd out/stage10-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
 # adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history

@@ -12,7 +12,7 @@ from transformers_ccm.tasks.text import long_text
 
 EXPECTED = {
     "ccm:smollm2-concat": ("concat", 1, "distilled from ccm:smollm2-full-context"),
-    "ccm:smollm2-merge": ("merge", 2, "distilled from ccm:smollm2-full-context"),
+    "ccm:smollm2-merge": ("merge", 4, "distilled from ccm:smollm2-full-context"),
     "ccm:smollm2-stream": ("concat", 2, "'text'"),
     "ccm:smollm2-full-context": ("concat", 2, "fine-tuned full-context baseline on"),  # <COMP> unused
 }

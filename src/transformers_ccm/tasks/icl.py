@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, at_answer
+from transformers_ccm.tasks.wordings import Built, at_answer, field_name
 
 ENTITY_TYPES = ("first_name", "country", "language", "job", "state", "color")
 
@@ -58,8 +58,7 @@ def varied_frame(rng: random.Random) -> str:
     bare values, or a sentence; keys in title or lower case; one of several endings."""
 
     def key(pool: tuple[str, ...]) -> str:
-        name = rng.choice(pool)
-        return name.lower() if rng.random() < 0.3 else name
+        return field_name(rng, pool, 0.3)
 
     separator = rng.choice(_KEY_SEPARATORS)
     layout = rng.randrange(4)

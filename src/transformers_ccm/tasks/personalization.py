@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.facts import FACTS, SMALL_TALK, draw_facts, fill
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
+from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer, field_name
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ class ProfileWording:
         return varied_profile(rng) if self.varied else (self.post, self.question)
 
 
-# Parts of varied profiles. None belongs to a held-out wording (no "Status", "update", "Reply", "author", quotes, square brackets,
-# "Q)" or "The answer is"), so unseen wordings stay unseen.
+# Parts of varied profiles. None belongs to a held-out wording (no "Status", "update", "Reply", "author", quotes,
+# square brackets, "Q)" or "The answer is"), so unseen wordings stay unseen.
 _SOURCES = (
     "Post", "Entry", "Shared", "Posted", "Thread", "Blog", "Caption", "Memo", "Feed", "Snippet", "Story", "Remark",
     "Record", "Thought", "Journal", "Log", "Diary", "Comment", "Bio", "Notebook", "Page", "Mention",
@@ -49,10 +49,7 @@ def varied_profile(rng: random.Random) -> tuple[str, str]:
     """A post template and a question template composed at random: a source label before the post, after it,
     as a heading or a handle; the question and its answer under keys, on one line or two, or as headings."""
 
-    def case(text: str) -> str:
-        return text.lower() if rng.random() < 0.25 else text
-
-    source, separator = case(rng.choice(_SOURCES)), rng.choice(_SEPARATORS)
+    source, separator = field_name(rng, _SOURCES, 0.25), rng.choice(_SEPARATORS)
     layout = rng.randrange(5)
     if layout == 0:
         post = f"{source}{separator}{{post}}"
@@ -64,7 +61,7 @@ def varied_profile(rng: random.Random) -> tuple[str, str]:
         post = f"@{rng.choice(_HANDLES)}{separator}{{post}}"
     else:
         post = f"{{post}} ({source.lower()})"
-    question_key, answer_key = case(rng.choice(_QUESTION_KEYS)), case(rng.choice(_ANSWER_KEYS))
+    question_key, answer_key = field_name(rng, _QUESTION_KEYS, 0.25), field_name(rng, _ANSWER_KEYS, 0.25)
     layout = rng.randrange(3)
     if layout == 0:
         question = f"{question_key}{separator}{{q}}\n{answer_key}{separator}{{answer}}"

@@ -89,6 +89,12 @@ class Phrasings:
         return rng.sample(pool, min(count, len(pool)))
 
 
+def field_name(rng: random.Random, pool: Sequence[str], lower_chance: float) -> str:
+    """A name from `pool` for a composed frame, in lower case with probability `lower_chance`."""
+    name = rng.choice(pool)
+    return name.lower() if rng.random() < lower_chance else name
+
+
 def at_answer(template: str, answer: str, **fields: str) -> tuple[str, str]:
     """`template` (fields, and `{answer}` where the answer goes) cut into the prompt and what follows it.
 
