@@ -29,8 +29,8 @@ class ProfileWording:
         return varied_profile(rng) if self.varied else (self.post, self.question)
 
 
-# Parts of varied profiles. None belongs to a held-out wording (no "Status", "update", "Reply", "author", quotes,
-# square brackets, "Q)" or "The answer is"), so unseen wordings stay unseen.
+# Parts of varied profiles. None belongs to a held-out wording (no "Status update", "Question about the author",
+# "Reply", quotes, square brackets, "Q)" or "The answer is"), so unseen wordings stay unseen.
 _SOURCES = (
     "Post", "Entry", "Shared", "Posted", "Thread", "Blog", "Caption", "Memo", "Feed", "Snippet", "Story", "Remark",
     "Record", "Thought", "Journal", "Log", "Diary", "Comment", "Bio", "Notebook", "Page", "Mention",
