@@ -149,6 +149,23 @@ EMAILS = Probe(
 )
 
 
+def among_chatter(rng: random.Random, lines: list[str], chatter: list[str], steps: int) -> list[str]:
+    """The fact lines and chatter lines up to `steps` lines, shuffled."""
+    lines = lines + rng.sample(chatter, steps - len(lines))
+    rng.shuffle(lines)
+    return lines
+
+
+def record(rng: random.Random, contexts: list[str], question: str, value: str, others: list[str]) -> dict:
+    """One JSONL sample: the answer and two other options, in random order."""
+    return {
+        "contexts": contexts,
+        "input": question,
+        "output": f" {value}",
+        "choices": [f" {option}" for option in rng.sample([value, *others], 3)],
+    }
+
+
 # Third-person facts about guests: kind: (word list, phrasings with {p} the guest, field asked).
 GUEST_FACTS = {
     "job": (
@@ -209,18 +226,12 @@ def guest_records(seed: int, count: int = 48, steps: int = 8) -> list[dict]:
             rng.choice(GUEST_FACTS[kind][1]).format(p=guest, v=value, a=with_article(value))
             for guest, kind, value in facts
         ]
-        lines += rng.sample(PLANNER_CHATTER, steps - len(lines))
-        rng.shuffle(lines)
+        lines = among_chatter(rng, lines, PLANNER_CHATTER, steps)
         (guest, _, value), (_, _, twin) = facts[0], facts[1]
         unsaid = [w for w in words(GUEST_FACTS[asked_kind][0], "test") if w not in (value, twin)]
-        out.append(
-            {
-                "contexts": [f"Planner note {i + 1}: {line}\n" for i, line in enumerate(lines)],
-                "input": f"Seating chart - {GUEST_FACTS[asked_kind][2].format(p=guest)}:",
-                "output": f" {value}",
-                "choices": [f" {option}" for option in rng.sample([value, twin, rng.choice(unsaid)], 3)],
-            }
-        )
+        contexts = [f"Planner note {i + 1}: {line}\n" for i, line in enumerate(lines)]
+        question = f"Seating chart - {GUEST_FACTS[asked_kind][2].format(p=guest)}:"
+        out.append(record(rng, contexts, question, value, [twin, rng.choice(unsaid)]))
     return out
 
 
@@ -234,8 +245,7 @@ def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[di
         for kind in kinds:
             facts[kind] = rng.choice([w for w in words(probe.statements[kind][0], "test") if w not in facts.values()])
         lines = [rng.choice(probe.statements[k][1]).format(v=v, a=with_article(v)) for k, v in facts.items()]
-        lines += rng.sample(probe.chatter, steps - len(lines))
-        rng.shuffle(lines)
+        lines = among_chatter(rng, lines, probe.chatter, steps)
         asked = rng.choice(kinds)
         value = facts[asked]
         word_list = probe.statements[asked][0]
@@ -247,14 +257,7 @@ def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[di
             probe.context.format(subject=rng.choice(probe.subjects) if probe.subjects else "", line=line)
             for line in lines
         ]
-        out.append(
-            {
-                "contexts": contexts,
-                "input": probe.question.format(q=probe.statements[asked][2]),
-                "output": f" {value}",
-                "choices": [f" {option}" for option in rng.sample([value, *others], 3)],
-            }
-        )
+        out.append(record(rng, contexts, probe.question.format(q=probe.statements[asked][2]), value, others))
     return out
 
 

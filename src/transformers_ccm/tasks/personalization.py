@@ -48,7 +48,6 @@ _POST_ENDINGS = ("\n", "\n", "\n\n", "\n---\n", " //\n")
 def varied_profile(rng: random.Random) -> tuple[str, str]:
     """A post template and a question template composed at random: a source label before the post, after it,
     as a heading or a handle; the question and its answer under keys, on one line or two, or as headings."""
-
     source, separator = field_name(rng, _SOURCES, 0.25), rng.choice(_SEPARATORS)
     layout = rng.randrange(5)
     if layout == 0:
