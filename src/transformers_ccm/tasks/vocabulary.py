@@ -37,6 +37,11 @@ PETS = (
 )  # fmt: skip
 
 
+# Entries of Faker's job list that are word fragments, not occupations ("Make", "Copy"): as everyday words they
+# turn up in other sentences, where a sample would seem to name the user's job.
+_NOT_OCCUPATIONS = frozenset({"Make", "Copy"})
+
+
 def with_article(noun: str) -> str:
     """`noun` with its indefinite article: "a nurse", "an engineer"."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
@@ -55,7 +60,11 @@ def _pools() -> dict[str, tuple[str, ...]]:
     # Faker is imported on first use, so that importing the tasks (and `with_article`) needs no extra.
     Address, Color, Job = _provider("address.en_US"), _provider("color.en_US"), _provider("job.en_US")
     Lorem, Person, EnglishPerson = _provider("lorem.en_US"), _provider("person"), _provider("person.en_US")
-    jobs = [job for job in Job.jobs if "," not in job and "(" not in job and len(job.split()) <= 2]
+    jobs = [
+        job
+        for job in Job.jobs
+        if "," not in job and "(" not in job and len(job.split()) <= 2 and job not in _NOT_OCCUPATIONS
+    ]
     return {
         "first_name": tuple(sorted(set(EnglishPerson.first_names_male) | set(EnglishPerson.first_names_female))),
         "country": tuple(Address.countries),
