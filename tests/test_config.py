@@ -50,6 +50,10 @@ def test_json_round_trip(tmp_path_factory, n, update, alpha, conditional):
         ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
         ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
         ({"target_modules": []}, "target_modules", "non-empty list"),
+        ({"base_model_name_or_path": 5}, "base_model_name_or_path", "None or a string"),
+        ({"base_model_revision": ["main"]}, "base_model_revision", "None or a string"),
+        ({"trained_on": 3}, "trained_on", "None or a string"),
+        ({"base_model_shape": [576]}, "base_model_shape", "object of sizes"),
     ],
 )
 def test_invalid_values_name_field_and_allowed_values(kwargs, field, allowed):
@@ -61,6 +65,13 @@ def test_invalid_values_name_field_and_allowed_values(kwargs, field, allowed):
 def test_unknown_format_version(tmp_path):
     (tmp_path / CONFIG_NAME).write_text(json.dumps({**CCMConfig().to_dict(), "format_version": 99}))
     with pytest.raises(ValueError, match=r"format_version 99.*Upgrade"):
+        CCMConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("version", ["1", 1.0, None, True])
+def test_a_format_version_that_is_no_whole_number_is_named(tmp_path, version):
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**CCMConfig().to_dict(), "format_version": version}))
+    with pytest.raises(ValueError, match=r"format_version .*must be a whole number"):
         CCMConfig.from_pretrained(tmp_path)
 
 

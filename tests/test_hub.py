@@ -260,8 +260,50 @@ def test_resizing_a_crafted_comp_embedding_is_refused_and_changes_nothing(tmp_pa
     save_file({**tensors, "ccm.comp_embeddings": tensors["ccm.comp_embeddings"][:0]}, weights)
     target = _adapter(None, seed=9, num_comp_tokens=3)
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    with pytest.raises(ValueError, match="num_comp_tokens: adapter 2 vs model 3"):
+    with pytest.raises(ValueError, match=r"ccm\.comp_embeddings has shape \(0, 32\) where num_comp_tokens=2"):
         target.load_adapter(tmp_path / "adapter", resize_comp_tokens=True)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def _rewrite_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _rewrite_weights(path, change):
+    from safetensors.torch import load_file, save_file
+
+    save_file(change(load_file(str(path))), str(path))
+
+
+def _lower_rank(tensors):
+    key = next(k for k in tensors if "lora_A" in k)
+    return {**tensors, key: tensors[key][:-1]}
+
+
+@pytest.mark.parametrize(
+    ("craft", "named"),
+    [
+        (lambda f: _rewrite_json(f / "ccm_config.json", num_comp_tokens=10**9), r"num_comp_tokens=1000000000"),
+        (lambda f: _rewrite_json(f / "ccm_config.json", r=10**9), r"rank r=1000000000"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", r=3), r"adapter_config\.json has r=3 where 8"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", lora_alpha=1), r"lora_alpha=1 where 16"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", peft_type="IA3"), r"peft_type='IA3' where 'LORA'"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", use_dora=True), r"use_dora=True where False"),
+        (lambda f: (f / "adapter_config.json").write_text("[]"), r"adapter_config\.json must hold a JSON object"),
+        (lambda f: _rewrite_weights(f / "adapter_model.safetensors", _lower_rank), r"not of rank r=8"),
+    ],
+)
+def test_files_that_disagree_are_refused_before_any_model_is_built(tmp_path, base_folder, craft, named):
+    """A crafted file is named with its value before anything is allocated from it (a config claiming a
+    billion slots would otherwise ask for gigabytes), and the model it was to load into is left as it was."""
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    craft(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=named):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter")
+    target = _adapter(str(base_folder), seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=named):
+        target.load_adapter(tmp_path / "adapter")
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 

@@ -81,6 +81,14 @@ class CCMConfig:
                 lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
             )
             self.target_modules = list(self.target_modules)
+        for name in ("base_model_name_or_path", "base_model_revision", "trained_on"):
+            _check(getattr(self, name), name, "None or a string", lambda v: v is None or isinstance(v, str))
+        _check(
+            self.base_model_shape,
+            "base_model_shape",
+            "None or an object of sizes",
+            lambda v: v is None or (isinstance(v, dict) and all(isinstance(key, str) for key in v)),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready content of `ccm_config.json`, with the format version."""
@@ -92,6 +100,8 @@ class CCMConfig:
     def from_dict(cls, data: dict[str, Any]) -> CCMConfig:
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
+        if not _positive_int(version):
+            raise ValueError(f"{CONFIG_NAME} has format_version {version!r}; it must be a whole number such as 1.")
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"{CONFIG_NAME} has format_version {version!r}, but this transformers-ccm reads version "

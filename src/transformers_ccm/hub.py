@@ -166,14 +166,54 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
                 f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
             )
     try:
-        json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
+        peft_config = json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
         with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
             tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
     except (json.JSONDecodeError, SafetensorError, OSError) as error:
         raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
     if COMP_EMBEDDINGS_KEY not in tensors:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
+    _check_files_agree(folder, config, peft_config, tensors)
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+# What PEFT reads from adapter_config.json to compute the LoRA, with the value a CCM adapter holds (r and
+# lora_alpha come from ccm_config.json): a file that says otherwise would load differently with PEFT.
+_PEFT_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def _check_files_agree(folder: Path, config: CCMConfig, peft_config: object, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise, naming the files and values, unless adapter_config.json and the weights' sizes say what
+    ccm_config.json says. Runs before any model is built, so a crafted config cannot make it allocate."""
+    if not isinstance(peft_config, dict):
+        raise ValueError(f"{folder / ADAPTER_CONFIG_NAME} must hold a JSON object, got {type(peft_config).__name__}.")
+    wanted = {**_PEFT_FIXED, "r": config.r, "lora_alpha": config.lora_alpha}
+    problems = [
+        f"{ADAPTER_CONFIG_NAME} has {key}={peft_config.get(key, '(missing)')!r} where {value!r} is expected"
+        for key, value in wanted.items()
+        if peft_config.get(key, _PEFT_FIXED.get(key)) != value
+    ]
+    comp = tensors[COMP_EMBEDDINGS_KEY]
+    hidden = (config.base_model_shape or {}).get("hidden_size", comp.shape[-1])
+    if tuple(comp.shape) != (config.num_comp_tokens, hidden):
+        problems.append(
+            f"{COMP_EMBEDDINGS_KEY} has shape {tuple(comp.shape)} where num_comp_tokens={config.num_comp_tokens} "
+            f"and hidden_size={hidden} give ({config.num_comp_tokens}, {hidden})"
+        )
+    lora = {key: value for key, value in tensors.items() if "lora_A" in key or "lora_B" in key}
+    rank_axis = {key: 0 if "lora_A" in key else 1 for key in lora}  # lora_A (r, in), lora_B (out, r)
+    wrong_rank = {
+        key: tuple(value.shape)
+        for key, value in lora.items()
+        if value.ndim != 2 or value.shape[rank_axis[key]] != config.r
+    }
+    if wrong_rank:
+        problems.append(f"LoRA weights not of rank r={config.r}: {dict(list(wrong_rank.items())[:2])}")
+    if problems:
+        raise ValueError(
+            f"The files of the adapter at {folder} disagree with its {CONFIG_NAME}: {'; '.join(problems)}. "
+            "They do not belong together; save or download the adapter again."
+        )
 
 
 def _what_is_there(folder: Path) -> str:
