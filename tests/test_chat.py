@@ -4,8 +4,10 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tiny_models import randomize_adapter, tiny_ccm, tiny_llama_for
+from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_ccm, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
 from transformers_ccm.embedded import load_tokenizer
@@ -83,3 +85,38 @@ def test_full_context_chat_reads_the_whole_conversation(tokenizer, conditional_l
     with pytest.raises(ValueError, match="message is empty"):
         chat.turn("  ")
     assert chat.history == history
+
+
+@pytest.fixture(scope="module")
+def chat_model(tokenizer):
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="merge")))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(when=st.floats(0, 1, exclude_max=True), layer=st.integers(0, 1))
+def test_a_turn_that_fails_leaves_the_session_as_it_was(tmp_path, tokenizer, chat_model, when, layer):
+    """A failure while replying or while folding the exchange (an injected fault, as an OOM would be) leaves
+    the memory and the count of history tokens as before the turn, and the turn then runs as in a session
+    that never failed."""
+    failing, clean = (ChatSession(chat_model, tokenizer, max_new_tokens=4) for _ in range(2))
+    for session in (failing, clean):
+        session.turn("Hi! I'm Maria.")
+    failing.cache.save(tmp_path / "before.safetensors")
+    tokens = failing.history_tokens
+    calls: list[None] = []  # the layer's calls in one turn (the reply's forwards, then the fold), by a dry run
+    counting = chat_model.base_model.model.layers[layer].register_forward_pre_hook(lambda *_: calls.append(None))
+    ChatSession(chat_model, tokenizer, copy.deepcopy(failing.cache), max_new_tokens=4).turn("What is my name?")
+    counting.remove()
+    handle = fail_in_layer(chat_model, layer, after_calls=int(when * len(calls)))
+    try:
+        with pytest.raises(InjectedFailure):
+            failing.turn("What is my name?")
+    finally:
+        handle.remove()
+    failing.cache.save(tmp_path / "after.safetensors")
+    assert (tmp_path / "after.safetensors").read_bytes() == (tmp_path / "before.safetensors").read_bytes()
+    assert failing.history_tokens == tokens
+    assert failing.turn("What is my name?") == clean.turn("What is my name?")
+    failing.cache.save(tmp_path / "failing.safetensors")
+    clean.cache.save(tmp_path / "clean.safetensors")
+    assert (tmp_path / "failing.safetensors").read_bytes() == (tmp_path / "clean.safetensors").read_bytes()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
 from transformers_ccm.lora import lora_layers
 
@@ -114,23 +114,6 @@ def test_gate_state_does_not_leak_into_other_threads():
 
 
 # ----- failures --------------------------------------------------------------------------------------------------
-class _Boom(RuntimeError):
-    """The injected failure."""
-
-
-def _fail_in_layer(model: CCMForCausalLM, layer: int, after_calls: int) -> torch.utils.hooks.RemovableHandle:
-    """Make decoder layer `layer` raise on its `after_calls`-th call (an injected fault, as an OOM would)."""
-    block = model.base_model.model.layers[layer]
-    count = [0]
-
-    def hook(*_: object) -> None:
-        count[0] += 1
-        if count[0] > after_calls:
-            raise _Boom("injected failure")
-
-    return block.register_forward_pre_hook(hook)
-
-
 def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     cache = model.new_cache(batch)
     model.compress(cache, torch.tensor([[5, 6, 7]] * batch))
@@ -166,12 +149,12 @@ def test_injected_failure_leaves_saved_cache_bytes_unchanged(tmp_path, call, upd
     model = tiny_ccm("llama", update=update)
     cache = _filled(model)
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
-    handle = _fail_in_layer(model, layer, after_calls)
+    handle = fail_in_layer(model, layer, after_calls)
     try:
         try:
             CALLS[call](model, cache)
             failed = False
-        except _Boom:
+        except InjectedFailure:
             failed = True
     finally:
         handle.remove()
@@ -185,8 +168,8 @@ def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     failed, clean = _filled(model), _filled(model)
     model.generate(torch.tensor([[20, 21], [22, 23]]), past_key_values=failed, max_new_tokens=3, do_sample=False)
     model.generate(torch.tensor([[20, 21], [22, 23]]), past_key_values=clean, max_new_tokens=3, do_sample=False)
-    handle = _fail_in_layer(model, 1, 0)
-    with pytest.raises(_Boom):
+    handle = fail_in_layer(model, 1, 0)
+    with pytest.raises(InjectedFailure):
         model.compress(failed, torch.tensor([[30, 31], [32, 33]]))
     handle.remove()
     model.compress(failed, torch.tensor([[30, 31], [32, 33]]))

@@ -137,3 +137,20 @@ def tiny_full_context_baseline(architecture: str = "llama", seed: int | None = N
     drawn with `seed`, or with `seed=None` the LoRA still zero (it reads a plain prompt as the base model does)."""
     model = CCMForCausalLM.from_base(tiny_base(architecture), full_context_config(CCMConfig(lora_dropout=0.0)))
     return model.eval() if seed is None else randomize_adapter(model, seed=seed)
+
+
+class InjectedFailure(RuntimeError):
+    """The failure `fail_in_layer` injects."""
+
+
+def fail_in_layer(model: CCMForCausalLM, layer: int, after_calls: int) -> torch.utils.hooks.RemovableHandle:
+    """Make decoder layer `layer` raise on its `after_calls`-th call (an injected fault, as an OOM would)."""
+    block = model.base_model.model.layers[layer]
+    count = [0]
+
+    def hook(*_: object) -> None:
+        count[0] += 1
+        if count[0] > after_calls:
+            raise InjectedFailure("injected failure")
+
+    return block.register_forward_pre_hook(hook)

@@ -137,9 +137,11 @@ class ChatSession(_Conversation):
     def turn(self, message: str) -> TurnReport:
         """Answer `message`, fold the exchange into memory, and report the memory held."""
         prompt = self.prompt_ids(message)
-        generated, reply_ids, closing = self._reply(prompt, self.model, self.cache)
-        # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
-        self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
+        # One step: a failure while folding must not leave the reply in the cache as an unfolded turn.
+        with self.cache.transaction():
+            generated, reply_ids, closing = self._reply(prompt, self.model, self.cache)
+            # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
+            self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
         self.history_tokens += len(prompt) + len(generated) + len(closing)
         per_token = kv_bytes_per_token(self.model)
         return TurnReport(
