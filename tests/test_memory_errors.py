@@ -37,6 +37,35 @@ def test_save_load_round_trip_is_exact(tmp_path, update):
     )
 
 
+MEMORIES = {
+    "concat": {"update": "concat"},
+    "concat capped at 3": {"update": "concat", "max_memory_tokens": 3},
+    "merge": {"update": "merge"},
+    "ema": {"update": "ema"},
+}
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    memory=st.sampled_from(sorted(MEMORIES)),
+    calls=st.lists(st.tuples(st.lists(st.booleans(), min_size=3, max_size=3), st.booleans()), max_size=4),
+)
+def test_every_memory_the_model_makes_loads_back(tmp_path, memory, calls):
+    """Whatever rows took part in each call (a context for some users only, a generated turn folded for all),
+    the saved memory passes every check of `load` and comes back exact."""
+    model = tiny_ccm("llama", **MEMORIES[memory])
+    cache = model.new_cache(3)
+    for rows, generate_first in calls:
+        if generate_first:
+            model.generate(torch.tensor([[20, 21]] * 3), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        if any(rows) or generate_first:
+            model.compress(cache, torch.tensor([[5, 6]] * 3), attention_mask=torch.tensor([[r, r] for r in rows]))
+    cache.save(tmp_path / "user.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+    for name in ("memory_mask", "next_position", "steps"):
+        assert torch.equal(getattr(loaded, name), getattr(cache, name))
+
+
 def test_empty_cache_round_trip(tmp_path):
     model = tiny_ccm("llama")
     model.new_cache(3).save(tmp_path / "new.safetensors")
@@ -161,6 +190,18 @@ CRAFTED = {
     ),
     "an extra tensor": ({"tensors": _with("layers.9.keys", torch.zeros(1))}, "unexpected tensors"),
     "a negative position": ({"tensors": _with("next_position", torch.tensor([-3, 2]))}, "must be >= 0"),
+    "a position past the model's": (
+        {"tensors": _with("next_position", torch.tensor([2**62, 5]))},
+        "'next_position' [4611686018427387904, 5] passes the model's 512 positions",
+    ),
+    "slots that no fold gives": (
+        {"tensors": _with("memory_mask", torch.tensor([[True, True, False, False], [True, True, True, True]]))},
+        "its rows own [2, 4] memory slots, which the contexts they folded ('steps' [2, 2]) cannot give",
+    ),
+    "a count of folds that overflows": (
+        {"tensors": _with("steps", torch.tensor([2**62, 2]))},
+        "('steps' [4611686018427387904, 2]) cannot give",
+    ),
     "no positions": ({"tensors": _without("next_position")}, "'next_position' must be a non-empty 1-D tensor"),
     "a header that is not JSON": ({"metadata": lambda header: {MEMORY_FORMAT: "{nope"}}, "is not JSON"),
     "a header without signature": ({"metadata": _header_edit(lambda h: h.pop("signature"))}, "no signature"),
@@ -176,8 +217,7 @@ CRAFTED = {
 }
 
 
-@settings(max_examples=len(CRAFTED), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=st.sampled_from(sorted(CRAFTED)))
+@pytest.mark.parametrize("case", sorted(CRAFTED))
 def test_crafted_files_are_refused_with_a_value_error_that_names_the_problem(tmp_path, case):
     model = tiny_ccm("llama")
     path = tmp_path / "user.safetensors"

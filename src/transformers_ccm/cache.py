@@ -976,6 +976,30 @@ class _MemoryFile:
             raise self._fail(f"it holds {width} memory slots, more than this adapter's memory can ({most})")
         if bool((mask.sum(dim=1) > most).any()):
             raise self._fail(f"a row owns more than {most} memory slots")
+        if self.streaming is None:
+            self._check_folds(mask, positions, steps)
+
+    def _check_folds(self, mask: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> None:
+        """Raise unless each row's slots and position are what its number of folded contexts gives: concat
+        keeps `num_comp_tokens` slots per context (its newest `max_memory_tokens` under a cap), merge and EMA
+        `num_comp_tokens` once a context was folded; positions are re-based before they pass the model's."""
+        config, n = self.spec.config, self.spec.config.num_comp_tokens
+        if config.update == "concat":
+            # Clamped first, so that a crafted count cannot overflow; past the width it fails the check anyway.
+            folded = steps.clamp(max=mask.shape[1] + 1) * n
+            if config.max_memory_tokens is not None:
+                folded = folded.clamp(max=config.max_memory_tokens)
+        else:
+            folded = (steps > 0).long() * n
+        owned = mask.sum(dim=1)
+        if not torch.equal(owned, folded):
+            raise self._fail(
+                f"its rows own {owned.tolist()} memory slots, which the contexts they folded ('steps' "
+                f"{steps.tolist()}) cannot give ({config.update}, {n} per context)"
+            )
+        most = self.spec.max_positions
+        if most is not None and bool((positions > most).any()):
+            raise self._fail(f"'next_position' {positions.tolist()} passes the model's {most} positions")
 
     def _check_layers(self) -> None:
         spec, batch, memory = self.spec, self.batch_size, self.tensors["memory_mask"].shape[1]
