@@ -34,11 +34,10 @@ for person in held_out_people(int(sys.argv[2])):
             if mode == "generated":
                 session.turn(message)
                 continue
-            reply = FOLDED_REPLIES[mode][index].format(**person)
-            form = session.format
-            turn = form.before_message + message + form.after_message + reply + form.end_of_reply
+            reply = FOLDED_REPLIES[mode][index].format(**person) + session.format.end_of_reply
+            turn = session.prompt_ids(message) + tokenizer(reply, add_special_tokens=False)["input_ids"]
             with torch.no_grad():
-                model.compress(session.cache, torch.tensor([tokenizer(turn, add_special_tokens=False)["input_ids"]]))
+                model.compress(session.cache, torch.tensor([turn]))
         for fact, question in zip(ASKED, script[-3:], strict=True):
             reply = session.turn(question).reply
             hits[mode][fact] += person[fact].lower() in reply.lower()
