@@ -45,6 +45,9 @@ def main() -> None:
     built_profiles = make_task_samples("personalization", "train", 60, seed=0, steps=2)
     profile = next(b.sample for b in built_profiles if b.wording == "personalization/varied")
     print("a varied profile:", repr(profile.contexts), "->", repr(profile.input), repr(profile.output))
+    # `people` names several people in one conversation; every wrong choice is someone else it named.
+    (people,) = make_samples("people", "train", 1, seed=0, steps=3)
+    print("who is who:", repr(people.contexts), "->", repr(people.input), "choices:", people.choices)
 
     tokenizer = load_tokenizer("default")
     base = tiny_llama(len(tokenizer))

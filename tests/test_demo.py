@@ -11,6 +11,7 @@ from transformers_ccm.chat import ChatSession
 from transformers_ccm.cli import DEMO_FACTS, demo_script
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.tasks.dialogue import ASIDES
+from transformers_ccm.tasks.people import NAME_QUESTIONS
 from transformers_ccm.tasks.vocabulary import in_test_split, words
 
 ASKED = ("name", "job", "friend")  # what the last three messages of the script ask, in order
@@ -25,9 +26,13 @@ def test_the_demo_uses_held_out_facts_and_asks_last():
 
 
 def test_the_demo_asks_as_no_training_sample_does():
-    """The chat family asks with asides too; none of them (seen or held out) opens a demo question."""
+    """The chat family asks with asides too; none of them (seen or held out) opens a demo question, and no question
+    of the people family asks as the demo's friend question does."""
     asides = (*ASIDES.seen, *ASIDES.unseen)
-    assert not [message for message in demo_script(**DEMO_FACTS)[-3:] if message.startswith(asides)]
+    questions = demo_script(**DEMO_FACTS)[-3:]
+    assert not [message for message in questions if message.startswith(asides)]
+    about_a_friend = {q.format(r="friend", n="George") for q in (*NAME_QUESTIONS.seen, *NAME_QUESTIONS.unseen)}
+    assert not about_a_friend & set(questions)
 
 
 def held_out_people(count: int) -> list[dict[str, str]]:

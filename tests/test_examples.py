@@ -58,6 +58,7 @@ def test_training_data_mixes_families_by_weight_and_trains_on_streams(capsys):
     assert "families: {'icl': 24, 'personalization': 8, 'dialogue': 8}" in lines
     assert sum(line.startswith("a varied ICL frame:") for line in lines) == 2
     assert sum(line.startswith("a varied profile:") for line in lines) == 1
+    assert sum(line.startswith("who is who:") and "choices:" in line for line in lines) == 1
     mixture, distilled, streamed = (
         next(line for line in lines if line.startswith(start))
         for start in ("held-out loss at", "held-out loss distilled", "held-out streamed")

@@ -14,11 +14,13 @@ from transformers_ccm.tasks import (
     MAX_STEPS,
     METRIC,
     MIXTURE,
+    MIXTURE_FAMILIES,
     TASKS,
     WORDINGS,
     load_jsonl,
     make_samples,
     make_task_samples,
+    people,
     save_jsonl,
     wording_ids,
 )
@@ -47,7 +49,7 @@ def test_pools_split_by_identity(pool):
 
 
 TEST_ITEMS = {w for pool in POOLS for w in words(pool, "test")}
-FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue", "chat"]
+FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue", "chat", "people"]
 
 
 def _text(sample):
@@ -141,6 +143,9 @@ def _templates(wording):
 
 _PHRASINGS = [p for fact in FACTS.values() for p in vars(fact).values() if isinstance(p, Phrasings)]
 _PHRASINGS += [OPENERS, CLOSERS, FILLER, ASIDES, SENTENCES, LIST_INTROS, TIPS]
+_PHRASINGS += [people.STATEMENTS, people.JOB_STATEMENTS, people.ACKNOWLEDGEMENTS]
+_PHRASINGS += [people.NAME_QUESTIONS, people.NAME_RECALLS, people.RELATION_QUESTIONS, people.RELATION_RECALLS]
+_PHRASINGS += [people.JOB_QUESTIONS, people.JOB_RECALLS]
 _WORDINGS = [w for family in FAMILIES_WITH_ITEMS for w in WORDINGS[family]]
 _SEEN_FRAMES = {template for w in _WORDINGS if not w.held_out for template in _templates(w)}
 
@@ -164,7 +169,10 @@ def test_held_out_wordings_share_no_frame_or_phrase_with_training():
     """No field name, separator phrase or sentence of an unseen wording occurs in any training sample."""
     held_out_parts = _held_out_parts()
     training = "\n".join(
-        _text(built.sample) for built in make_task_samples(MIXTURE, "train", 600, seed=0) if built.task != "document"
+        _text(built.sample)
+        for task in (MIXTURE, "people")
+        for built in make_task_samples(task, "train", 600, seed=0)
+        if built.task != "document"
     )
     assert held_out_parts and not [part for part in held_out_parts if part in training]
 
@@ -281,9 +289,11 @@ def test_make_samples_keeps_its_signature():
     assert all(isinstance(s, OnlineSample) and len(s.contexts) == 4 for s in samples)
 
 
-def test_mixture_covers_every_family():
-    assert {b.task for b in make_task_samples(MIXTURE, "train", 8)} == set(TASKS)
-    assert {b.task for b in make_task_samples(MIXTURE, "test", 8, wordings="unseen")} == set(FAMILIES_WITH_ITEMS)
+def test_mixture_covers_its_families():
+    assert {b.task for b in make_task_samples(MIXTURE, "train", 8)} == set(MIXTURE_FAMILIES)
+    assert {b.task for b in make_task_samples(MIXTURE, "test", 8, wordings="unseen")} == set(MIXTURE_FAMILIES) - {
+        "document"
+    }
 
 
 @pytest.mark.parametrize("task", FAMILIES_WITH_ITEMS)
@@ -481,3 +491,27 @@ def test_training_dialogues_often_name_a_friend_beside_the_user(family):
         return sum(len(names.intersection(built.items)) >= 2 for built in samples) / len(samples)
 
     assert share_with_two_names("train") > 0.35 > 0.25 > share_with_two_names("test")
+
+
+def test_people_choices_name_others_of_the_same_conversation():
+    """With two or more people in memory, a wrong choice is someone (or something) the conversation also holds:
+    recall must keep who is who, not only which names were said."""
+    hard = 0
+    for built in make_task_samples("people", "test", 120, seed=5, steps=6):
+        sample, told = built.sample, "".join(built.sample.contexts)
+        assert len(sample.choices) == people.CHOICES and sample.output in sample.choices
+        wrong = [choice for choice in sample.choices if choice != sample.output]
+        hard += any(item in choice and item in told for choice in wrong for item in built.items)
+    assert hard >= 100  # the rest ask a relation (its distractors are relations) or about a lone person
+
+
+def test_people_relations_keep_their_names_and_held_out_relations_stay_unseen():
+    held_out = [relation.word for relation in people.HELD_OUT_RELATIONS]
+    for built in make_task_samples("people", "train", 300, seed=6):
+        assert not [word for word in held_out if f"my {word}" in _text(built.sample)]
+    female = set(words("female_name", "test"))
+    for built in make_task_samples("people", "test", 100, seed=6, steps=4):
+        for match in re.finditer(r"my (sister|daughter|wife|niece|aunt) ([A-Z][a-z]+)", "".join(built.sample.contexts)):
+            assert match.group(2) in female
+    unseen = "".join(_text(b.sample) for b in make_task_samples("people", "test", 200, seed=6, wordings="unseen"))
+    assert any(f"my {word}" in unseen for word in held_out)

@@ -7,9 +7,10 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -20,6 +21,11 @@ from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
+
+# "auto": bf16 on a GPU that supports it, fp32 on CPU; "bf16": bf16 autocast (mixed precision: the weights, the
+# gradients and the optimizer state stay fp32) on a GPU or a CPU with bf16 instructions; "fp32": no autocast.
+Precision = Literal["auto", "bf16", "fp32"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 class CCMTrainer(Trainer):
@@ -49,25 +55,31 @@ class CCMTrainer(Trainer):
         """The model's loss, with the LM head run only where a label is predicted (training needs no other
         logits)."""
         if self.streaming is not None:
-            loss = stream_loss(
-                self.accelerator.unwrap_model(model),
-                inputs,
-                self.streaming,
-                self.stream_piece,
-                self.distill_weight if model.training else 0.0,
-                self.distill_temperature,
-                num_items_in_batch,
-                self.distill_teacher,
-            )
+            # accelerate runs only the trained model's forward under the mixed-precision autocast; the teacher's
+            # forward (and every piece's, already autocast) runs under the same autocast here.
+            with self.accelerator.autocast():
+                loss = stream_loss(
+                    self.accelerator.unwrap_model(model),
+                    inputs,
+                    self.streaming,
+                    self.stream_piece,
+                    self.distill_weight if model.training else 0.0,
+                    self.distill_temperature,
+                    num_items_in_batch,
+                    self.distill_teacher,
+                )
             return (loss, {"loss": loss}) if return_outputs else loss
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss
         if self.distill_weight and model.training:
             positions = (inputs["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
             unwrapped = self.accelerator.unwrap_model(model)
-            loss = loss + self.distill_weight * distillation_loss(
-                unwrapped, inputs, outputs.logits, self.distill_temperature, positions, self.distill_teacher
-            )
+            # The teacher is not the module accelerate wrapped: its forward runs under the same autocast here.
+            with self.accelerator.autocast():
+                distilled = distillation_loss(
+                    unwrapped, inputs, outputs.logits, self.distill_temperature, positions, self.distill_teacher
+                )
+            loss = loss + self.distill_weight * distilled
         return (loss, outputs) if return_outputs else loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -90,6 +102,9 @@ class TrainingRecipe:
     log_every: int = 10
     seed: int = 0
     gradient_checkpointing: bool = False
+    # "auto": bf16 on a GPU that supports it, fp32 on CPU (as before the option existed); "bf16": mixed precision
+    # on a GPU or on a CPU with bf16 instructions (about 1.5x faster there, docs/training.md); "fp32": never autocast.
+    precision: Precision = "auto"
     supervision: Supervision = "output"
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
@@ -117,9 +132,10 @@ def train(
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
     Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues from
-    the last checkpoint. bf16 on a GPU, fp32 on CPU. Under `accelerate launch` or `torchrun` (DDP) every process
-    trains the same adapter, only the main process writes files, and every process returns once the final adapter is
-    written (call `torch.distributed.destroy_process_group()` before the script exits). `tokenizer` is needed for
+    the last checkpoint. `recipe.precision` picks bf16 mixed precision or fp32 (by default bf16 on a GPU, fp32 on
+    CPU). Under `accelerate launch` or `torchrun` (DDP) every process trains the same adapter, only the main process
+    writes files, and every process returns once the final adapter is written (call
+    `torch.distributed.destroy_process_group()` before the script exits). `tokenizer` is needed for
     samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
     streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model
     as the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the
@@ -127,6 +143,8 @@ def train(
     """
     _refuse_sharded_launch()
     recipe = recipe or TrainingRecipe()
+    on_gpu = torch.cuda.is_available()
+    bf16 = _uses_bf16(recipe.precision, on_gpu)
     if teacher is not None:
         _check_teacher(model, teacher, recipe)
     if recipe.layout == "full_context" and (model.config.conditional_lora or recipe.distill_weight):
@@ -151,7 +169,6 @@ def train(
             "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
             "which checkpointed layers do not fill. Train without it, or with shorter streams."
         )
-    on_gpu = torch.cuda.is_available()
     if recipe.gradient_checkpointing:
         # Non-reentrant: the <COMP> mask reaches the recomputed layers as a forward argument.
         model.base_model.activation_checkpointing_enable({"use_reentrant": False})
@@ -171,7 +188,7 @@ def train(
         save_steps=recipe.save_every,
         save_total_limit=2,
         logging_steps=recipe.log_every,
-        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        bf16=bf16,
         use_cpu=not on_gpu,
         remove_unused_columns=False,
         prediction_loss_only=True,
@@ -202,10 +219,50 @@ def train(
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     trainer.train(resume_from_checkpoint=True if resume else None)
+    # accelerate wraps the model's forward in the mixed-precision autocast for training; the caller gets the model
+    # back running as it was built (bf16 stays a choice of the training run, not of every later forward).
+    trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if trainer.is_world_process_zero():
         model.save_pretrained(output_dir)
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware, where bf16 autocast beats fp32: AVX512-BF16 or AMX on x86, the
+    BF16 extension on ARM (oneDNN's own check, `torch.ops.mkldnn._is_mkldnn_bf16_supported`, which on x86 also
+    accepts plain AVX512, where bf16 is only emulated)."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return True
+
+
+def _uses_bf16(precision: str, on_gpu: bool) -> bool:
+    """Whether training under `precision` runs bf16 autocast, on a GPU (`on_gpu`) or the CPU; raise for an unknown
+    precision, or for "bf16" on a device without bf16."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"Unknown precision {precision!r}: TrainingRecipe.precision (ccm train --precision) is one of "
+            f"{', '.join(repr(name) for name in PRECISIONS)}."
+        )
+    if precision == "fp32":
+        return False
+    if precision == "auto":  # CPU stays fp32, as before the option existed, so that earlier runs reproduce
+        return on_gpu and torch.cuda.is_bf16_supported()
+    if on_gpu and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"precision='bf16' needs a GPU with bf16 support, and {torch.cuda.get_device_name()} has none; train with "
+            "precision='fp32' (ccm train --precision fp32)."
+        )
+    if not on_gpu and not cpu_has_bf16():
+        raise ValueError(
+            f"precision='bf16' on CPU needs bf16 instructions (AVX512-BF16 or AMX on x86, BF16 on ARM), and this CPU "
+            f"({platform.processor() or platform.machine()}) has none: bf16 would be emulated, slower than fp32. "
+            "Train with precision='fp32' (ccm train --precision fp32)."
+        )
+    return True
 
 
 def _refuse_sharded_launch() -> None:

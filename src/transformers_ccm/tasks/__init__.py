@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers_ccm.data import OnlineSample
-from transformers_ccm.tasks import dialogue, document, icl, personalization
+from transformers_ccm.tasks import dialogue, document, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
 from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
 
@@ -27,6 +27,7 @@ TASKS: dict[str, Generator] = {
     "dialogue": dialogue.dialogue_sample,
     "chat": dialogue.dialogue_sample,
     "document": document.document_sample,
+    "people": people.people_sample,
 }
 WORDINGS: dict[str, Sequence[Any]] = {
     "icl": icl.WORDINGS,
@@ -34,6 +35,7 @@ WORDINGS: dict[str, Sequence[Any]] = {
     "dialogue": dialogue.WORDINGS,
     "chat": dialogue.CHAT_WORDINGS,
     "document": document.WORDINGS,
+    "people": people.WORDINGS,
 }
 # How each family is scored, and the time steps the paper reports for it.
 METRIC = {
@@ -42,6 +44,7 @@ METRIC = {
     "dialogue": "perplexity",
     "chat": "perplexity",
     "document": "perplexity",
+    "people": "accuracy",
 }
 EVAL_STEPS = {
     "icl": (1, 2, 4, 8, 16),
@@ -49,16 +52,20 @@ EVAL_STEPS = {
     "dialogue": (1, 2, 4, 8, 12),
     "chat": (1, 2, 4, 8),
     "document": (1, 2, 4, 8),
+    "people": (1, 2, 4, 8),
 }
-MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "chat": 8, "document": 8}
+MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "chat": 8, "document": 8, "people": 8}
 MIXTURE = "mixture"
+# The families "mixture" takes in turn: the paper's applications and general text. Later families join weighted
+# mixtures by name ("people:1,dialogue:2"), so that "mixture" keeps giving the samples it always gave.
+MIXTURE_FAMILIES = ("icl", "personalization", "dialogue", "chat", "document")
 
 
 def mixture_weights(task: str) -> dict[str, int]:
     """How many samples of each family come in turn in `task`: a family alone, "mixture" (every family once),
     or a weighted mixture written "icl:3,dialogue:1" (three ICL samples, then one dialogue, and again)."""
     if task == MIXTURE:
-        return dict.fromkeys(TASKS, 1)
+        return dict.fromkeys(MIXTURE_FAMILIES, 1)
     if ":" not in task:
         return {_check_task(task): 1}
     weights: dict[str, int] = {}
@@ -97,7 +104,7 @@ def make_task_samples(
     steps: int | None = None,
     wordings: WordingSet | None = None,
 ) -> list[TaskSample]:
-    """`count` samples of a built-in task ("icl", "personalization", "dialogue", "chat", "document", "mixture", or a
+    """`count` samples of a built-in task (a family of `TASKS`, "mixture" of the first five, or a
     weighted mixture such as "icl:3,dialogue:1"; see `mixture_weights`), each with its wording id and the
     word-list items it uses.
 

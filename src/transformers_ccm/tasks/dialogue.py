@@ -43,15 +43,15 @@ class DialogueWording:
         return varied_exchange(rng) if self.varied else self.exchange
 
 
-# Parts of varied transcripts. None belongs to a held-out wording (no "A"/"B", "Me"/"Helper" or square
-# brackets), and no upper-case name ends in "A" or "B", so unseen wordings stay unseen.
+# Parts of varied transcripts. None belongs to a held-out wording of any family (no "A"/"B", "Me"/"Helper", square
+# brackets or personalization's "Reply"), and no upper-case name ends in "A" or "B", so unseen wordings stay unseen.
 _USER_NAMES = (
     "User", "Human", "Customer", "Client", "Guest", "Visitor", "Caller", "Student", "Patient", "Member", "Reader",
     "Person", "Traveller", "Learner", "You", "Shopper", "Player", "Writer", "Friend", "Parent",
 )  # fmt: skip
 _ASSISTANT_NAMES = (
     "Assistant", "AI", "Agent", "Support", "Host", "Advisor", "Chatbot", "Model", "Tutor", "Guide", "Companion",
-    "Operator", "Concierge", "Bot", "Expert", "Coach", "Librarian", "Mentor", "Service", "Reply",
+    "Operator", "Concierge", "Bot", "Expert", "Coach", "Librarian", "Mentor", "Service", "Responder",
 )  # fmt: skip
 _SPEAKER_SEPARATORS = (": ", ": ", " - ", " > ", " | ", ":: ")
 

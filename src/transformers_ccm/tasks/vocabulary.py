@@ -67,6 +67,8 @@ def _pools() -> dict[str, tuple[str, ...]]:
     ]
     return {
         "first_name": tuple(sorted(set(EnglishPerson.first_names_male) | set(EnglishPerson.first_names_female))),
+        "female_name": tuple(sorted(EnglishPerson.first_names_female)),
+        "male_name": tuple(sorted(EnglishPerson.first_names_male)),
         "country": tuple(Address.countries),
         "language": tuple(Person.language_names),
         "job": tuple(job.lower() for job in jobs),
@@ -78,7 +80,19 @@ def _pools() -> dict[str, tuple[str, ...]]:
     }
 
 
-POOLS: tuple[str, ...] = ("first_name", "country", "language", "job", "state", "color", "word", "hobby", "pet")
+POOLS: tuple[str, ...] = (
+    "first_name",
+    "female_name",
+    "male_name",
+    "country",
+    "language",
+    "job",
+    "state",
+    "color",
+    "word",
+    "hobby",
+    "pet",
+)
 
 
 def in_test_split(item: str) -> bool:
