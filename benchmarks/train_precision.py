@@ -28,13 +28,13 @@ import torch
 
 from benchmarks.timing import Timing
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM
-from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.data import predicting_positions
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.embedded import DEFAULT_MODEL, load_tokenizer
 from transformers_ccm.tasks import make_samples
 from transformers_ccm.training import Precision, cpu_has_bf16
 
-PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16")
+COMPARED: tuple[Precision, ...] = ("fp32", "bf16")
 
 
 def train_step(
@@ -50,7 +50,7 @@ def train_step(
         outputs = model(**batch, logits_at_labels=True)
         loss = outputs.loss.float()
         if distill_weight:
-            positions = (batch["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+            positions = predicting_positions(batch["labels"])
             loss = loss + distill_weight * distillation_loss(model, batch, outputs.logits.float(), 1.0, positions)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
@@ -66,20 +66,20 @@ def run(model_name: str, steps: int, batch_size: int, distill_weights: Sequence[
     rows = []
     for distill_weight in distill_weights:
         models, optimizers = {}, {}
-        for precision in PRECISIONS:
+        for precision in COMPARED:
             torch.manual_seed(seed)  # the same <COMP> initialisation in both copies
             models[precision] = CCMForCausalLM.from_base(model_name, CCMConfig()).train()
             trainable = [p for p in models[precision].parameters() if p.requires_grad]
             optimizers[precision] = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
         collate = CCMDataCollator(models["fp32"], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
         record: dict[str, dict[str, list[float]]] = {
-            p: {"seconds": [], "cpu_seconds": [], "loss": []} for p in PRECISIONS
+            p: {"seconds": [], "cpu_seconds": [], "loss": []} for p in COMPARED
         }
         shapes = []
         for step in range(steps):
             batch = collate(samples[step * batch_size : (step + 1) * batch_size])
             shapes.append(list(batch["input_ids"].shape))
-            for precision in PRECISIONS if step % 2 == 0 else PRECISIONS[::-1]:
+            for precision in COMPARED if step % 2 == 0 else COMPARED[::-1]:
                 torch.manual_seed(seed + step)  # the same LoRA dropout in both copies
                 wall, cpu = time.perf_counter(), time.process_time()
                 loss = train_step(models[precision], optimizers[precision], batch, precision, distill_weight)
@@ -88,8 +88,8 @@ def run(model_name: str, steps: int, batch_size: int, distill_weights: Sequence[
                 record[precision]["loss"].append(loss)
         del models, optimizers
         gc.collect()
-        wall = {p: Timing(tuple(record[p]["seconds"])) for p in PRECISIONS}
-        cpu = {p: Timing(tuple(record[p]["cpu_seconds"])) for p in PRECISIONS}
+        wall = {p: Timing(tuple(record[p]["seconds"])) for p in COMPARED}
+        cpu = {p: Timing(tuple(record[p]["cpu_seconds"])) for p in COMPARED}
         rows.append(
             {
                 "distill_weight": distill_weight,

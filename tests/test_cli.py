@@ -10,19 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.cli import main
-from transformers_ccm.embedded import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-smollm")
-    tokenizer = load_tokenizer("default")
-    tiny_llama_for(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def train(model, output, steps, *extra):

@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import randomize_adapter, tiny_base, tiny_full_context_baseline, tiny_llama_for
+from tiny_models import randomize_adapter, tiny_base, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
 from transformers_ccm.cli import build_parser, main
-from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.training import PRECISIONS, TrainingRecipe, cpu_has_bf16, train
 
@@ -121,7 +120,7 @@ def test_an_unknown_precision_is_refused_before_any_work(tmp_path, precision):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_passes_precision_to_the_recipe(tmp_path, capsys):
+def test_cli_passes_precision_to_the_recipe(tmp_path, capsys, tiny_model):
     parser = build_parser()
     train_parser = parser._subparsers._group_actions[0].choices["train"]
     assert next(a for a in train_parser._actions if a.dest == "precision").choices == list(PRECISIONS)
@@ -131,15 +130,10 @@ def test_cli_passes_precision_to_the_recipe(tmp_path, capsys):
         parser.parse_args(["train", "--output-dir", "x", "--precision", "fp16"])
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
 
-    folder = tmp_path / "tiny"
-    tokenizer = load_tokenizer("default")
-    tiny_llama_for(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
     def eval_loss(precision: str) -> float:
         """The held-out loss after one step of `ccm train --precision precision` (from its checkpoint)."""
         output = tmp_path / precision
-        arguments = ["train", "--model", str(folder), "--steps", "1", "--batch-size", "2", "--eval-every", "1"]
+        arguments = ["train", "--model", tiny_model, "--steps", "1", "--batch-size", "2", "--eval-every", "1"]
         main([*arguments, "--eval-samples", "2", "--output-dir", str(output), "--precision", precision])
         state = json.loads((output / "checkpoint-1" / "trainer_state.json").read_text())
         return next(row["eval_loss"] for row in state["log_history"] if "eval_loss" in row)
@@ -155,14 +149,10 @@ def test_cli_passes_precision_to_the_recipe(tmp_path, capsys):
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=1e-2), (bf16, fp32)  # bf16 reached the recipe
 
 
-def test_precision_benchmark_trains_both_copies_side_by_side(tmp_path):
+def test_precision_benchmark_trains_both_copies_side_by_side(tiny_model):
     from benchmarks import train_precision
 
-    folder = tmp_path / "tiny"
-    tokenizer = load_tokenizer("default")
-    tiny_llama_for(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    report = train_precision.run(str(folder), steps=2, batch_size=2, distill_weights=[1.0], seed=0)
+    report = train_precision.run(tiny_model, steps=2, batch_size=2, distill_weights=[1.0], seed=0)
     assert [row["distill_weight"] for row in report["rows"]] == [1.0]
     for row in report["rows"]:
         assert len(row["shapes"]) == 2 and row["fp32_over_bf16"] > 0

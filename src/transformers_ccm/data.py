@@ -19,6 +19,12 @@ Tokens = Sequence[int] | torch.Tensor | str
 IGNORE_INDEX = -100
 
 
+def predicting_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions `(n,)` whose next token has a label in some row of `labels` `(batch, len)`: position p
+    predicts the label at p + 1, so the LM head (and distillation) need run only there."""
+    return (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+
+
 class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 

@@ -22,7 +22,7 @@ from transformers_ccm.attention import (
 )
 from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
 from transformers_ccm.config import CCMConfig, base_shape
-from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.data import predicting_positions
 from transformers_ccm.embedded import load_base_model
 from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
@@ -203,8 +203,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # covers LoRA layers outside the decoder layers, if any were targeted.
         predicting = None
         if logits_at_labels and labels is not None:
-            # Position p predicts the label at p + 1; the head runs where any row has one.
-            predicting = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+            predicting = predicting_positions(labels)
             kwargs["logits_to_keep"] = predicting
         with self.lora_at(comp_mask):
             output = self.base_model(

@@ -16,7 +16,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import IGNORE_INDEX, CCMDataCollator, Layout, OnlineSample, Supervision
+from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
@@ -72,7 +72,7 @@ class CCMTrainer(Trainer):
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss
         if self.distill_weight and model.training:
-            positions = (inputs["labels"][:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(-1)
+            positions = predicting_positions(inputs["labels"])
             unwrapped = self.accelerator.unwrap_model(model)
             # The teacher is not the module accelerate wrapped: its forward runs under the same autocast here.
             with self.accelerator.autocast():

@@ -193,7 +193,7 @@ def people_sample(rng: random.Random, split: Split, steps: int, wording: Dialogu
     """A conversation of `steps` exchanges naming one to four people (and maybe the user), and a question about
     one of them whose choices are the answer and the same answer about the others."""
     held_out = wording.held_out
-    relations = rng.sample(RELATIONS + HELD_OUT_RELATIONS if held_out else RELATIONS, min(steps, rng.randint(2, 4)))
+    relations = rng.sample(_relations(held_out), min(steps, rng.randint(2, 4)))
     taken: set[str] = set()
     people = []
     for relation in relations:
@@ -221,8 +221,9 @@ def people_sample(rng: random.Random, split: Split, steps: int, wording: Dialogu
         topic = rng.choice(words("word", split))
         exchanges.append((fill(user, topic), fill(assistant, topic)))
     rng.shuffle(exchanges)
+    jobs = {p.job for p in people if p.job}
     if wording.long_replies:
-        avoid = tuple(taken | {p.job for p in people if p.job})
+        avoid = tuple(taken | jobs)
         exchanges = [(user, f"{assistant} {ramble(rng, split, held_out, avoid)}") for user, assistant in exchanges]
     question, answers = _question(rng, split, people, user_name, held_out)
     exchange = wording.frame(rng)
@@ -230,8 +231,13 @@ def people_sample(rng: random.Random, split: Split, steps: int, wording: Dialogu
     prompt, output = at_answer(exchange, answers[0], user=question)
     rng.shuffle(options)
     contexts = [exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
-    items = tuple(sorted(taken | {p.job for p in people if p.job} | ({user_name} if user_name else set())))
+    items = tuple(sorted(taken | jobs | ({user_name} if user_name else set())))
     return OnlineSample(contexts, prompt, output, choices=options), items
+
+
+def _relations(held_out: bool) -> tuple[Relation, ...]:
+    """The relations a wording may name: unseen wordings also name the held-out ones."""
+    return RELATIONS + HELD_OUT_RELATIONS if held_out else RELATIONS
 
 
 def _say(sentence: str, person: _Person) -> str:
@@ -272,8 +278,7 @@ def _question(
     elif kind == "relation":
         question, recall = RELATION_QUESTIONS.pick(rng, held_out), RELATION_RECALLS.pick(rng, held_out)
         values = [person.relation, *(p.relation for p in others)]
-        pool = RELATIONS + HELD_OUT_RELATIONS if held_out else RELATIONS
-        values += rng.sample([r.word for r in pool if r.word not in values], CHOICES)
+        values += rng.sample([r.word for r in _relations(held_out) if r.word not in values], CHOICES)
         variants = [_Person(relation, person.name, None) for relation in values]
     else:
         question, recall = JOB_QUESTIONS.pick(rng, held_out), JOB_RECALLS.pick(rng, held_out)
