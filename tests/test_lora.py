@@ -80,3 +80,40 @@ def test_default_targets_are_the_attention_projections(architecture, projections
     assert {name.rsplit(".", 1)[-1] for name in wrapped} == projections
     assert all(".mlp." not in name for name in wrapped)
     assert len(wrapped) == len(projections) * model.base_model.config.num_hidden_layers
+
+
+_BESIDE_ATTENTION = {
+    "llama": ["q_proj", "v_proj", "up_proj", "down_proj"],
+    "gpt-neox": ["query_key_value", "dense_h_to_4h"],
+}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt-neox"])
+def test_lora_beside_attention_acts_the_same_in_checkpointed_layers(architecture):
+    """A LoRA on the MLP gets the `<COMP>` mask from the call's state, not from a forward argument: recomputed
+    during backward under activation checkpointing, it must act exactly as in the forward."""
+    config = CCMConfig(target_modules=_BESIDE_ATTENTION[architecture], lora_dropout=0.0)
+    batch = None
+    runs = []
+    for checkpointing in (False, True):
+        model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), config)).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        batch = batch or CCMDataCollator(model)([OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])] * 2)
+        loss = model(**batch).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (plain_loss, plain), (checkpointed_loss, checkpointed) = runs
+    torch.testing.assert_close(checkpointed_loss, plain_loss)
+    assert any("mlp" in name and grad.abs().sum() > 0 for name, grad in plain.items()), "no MLP LoRA trained"
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-5, rtol=1e-4, msg=f"{name} differs")
+
+
+def test_reentrant_checkpointing_is_refused_for_lora_beside_attention():
+    config = CCMConfig(target_modules=_BESIDE_ATTENTION["llama"])
+    model = CCMForCausalLM.from_base(tiny_base("llama"), config)
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        model.activation_checkpointing_enable({"use_reentrant": True})
+    assert not model.base_model.is_activation_checkpointing
+    CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()).activation_checkpointing_enable({"use_reentrant": True})

@@ -216,7 +216,7 @@ def test_gradients_with_and_without_checkpointing_agree(architecture, use_reentr
         model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig(lora_dropout=0.0)))
         model.train()
         if checkpointing:
-            model.base_model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
         batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])] * 2)
         model(**batch).loss.backward()
         return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +154,13 @@ class LoRAGate:
         when it ends."""
         return _gate_state()
 
+    @staticmethod
+    def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        """`context_fn` for torch's non-reentrant checkpointing: the recomputation during backward runs under the
+        state of the forward it repeats, so a LoRA outside attention (on the MLP), which takes the mask from that
+        state rather than from a forward argument, acts there as it did."""
+        return nullcontext(), _restored(_GATE.get())
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -161,12 +168,16 @@ class LoRAGate:
 
 
 @contextmanager
-def _gate_state(mask: torch.Tensor | None = None, suppressed: bool = False) -> Iterator[None]:
-    current = _GATE.get()
-    token = _GATE.set(
-        _GateState(mask if mask is not None else current.mask, suppressed or current.suppressed, current.outer)
-    )
+def _restored(state: _GateState) -> Iterator[None]:
+    token = _GATE.set(state)
     try:
         yield
     finally:
         _GATE.reset(token)
+
+
+def _gate_state(mask: torch.Tensor | None = None, suppressed: bool = False) -> AbstractContextManager[None]:
+    current = _GATE.get()
+    return _restored(
+        _GateState(mask if mask is not None else current.mask, suppressed or current.suppressed, current.outer)
+    )

@@ -141,6 +141,24 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         `(batch, seq)` only (everywhere when `conditional_lora=False`)."""
         return self._gate.active(comp_mask)
 
+    def activation_checkpointing_enable(self, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
+        """Recompute each decoder layer's activations during backward (transformers' activation checkpointing,
+        non-reentrant unless `checkpoint_kwargs` says `use_reentrant=True`), with the LoRA acting in the
+        recomputation exactly where it acted in the forward, whatever modules it targets."""
+        kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
+        if kwargs["use_reentrant"]:
+            inside = {id(m) for a in attention_modules(self.base_model).values() for m in a.modules()}
+            outside = [layer for layer in lora_layers(self.base_model) if id(layer) not in inside]
+            if outside:
+                raise ValueError(
+                    f"{len(outside)} LoRA layers sit outside attention (target_modules {self.config.target_modules}); "
+                    "reentrant checkpointing would recompute them without the <COMP> mask. Pass "
+                    "use_reentrant=False (the default)."
+                )
+        else:
+            kwargs.setdefault("context_fn", LoRAGate.checkpoint_contexts)
+        self.base_model.activation_checkpointing_enable(kwargs)
+
     def adapter_disabled(self) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere)."""
         return self._gate.suppressed()

@@ -170,8 +170,7 @@ def train(
             "which checkpointed layers do not fill. Train without it, or with shorter streams."
         )
     if recipe.gradient_checkpointing:
-        # Non-reentrant: the <COMP> mask reaches the recomputed layers as a forward argument.
-        model.base_model.activation_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable()
     args = TrainingArguments(
         output_dir=os.fspath(output_dir),
         max_steps=recipe.steps,
