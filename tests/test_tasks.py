@@ -515,3 +515,16 @@ def test_people_relations_keep_their_names_and_held_out_relations_stay_unseen():
             assert match.group(2) in female
     unseen = "".join(_text(b.sample) for b in make_task_samples("people", "test", 200, seed=6, wordings="unseen"))
     assert any(f"my {word}" in unseen for word in held_out)
+
+
+def test_people_long_replies_name_each_person_only_in_their_own_turn():
+    """A rambling reply names others as distractors, never someone the conversation holds (the user included):
+    each name is told in one turn only. (Seed 2 drew the user's name into a reply before that was excluded.)"""
+    names = set(words("first_name", "train"))
+    samples = make_task_samples("people", "train", 400, seed=2, steps=8, wordings="seen")
+    long_replies = [built for built in samples if "<|im_start|>" in built.sample.contexts[0]]
+    assert len(long_replies) > 50
+    for built in long_replies:
+        for name in names.intersection(built.items):
+            turns = [c for c in built.sample.contexts if re.search(rf"\b{name}\b", c)]
+            assert len(turns) == 1, (name, turns)

@@ -221,17 +221,15 @@ def people_sample(rng: random.Random, split: Split, steps: int, wording: Dialogu
         topic = rng.choice(words("word", split))
         exchanges.append((fill(user, topic), fill(assistant, topic)))
     rng.shuffle(exchanges)
-    jobs = {p.job for p in people if p.job}
+    items = tuple(sorted(taken | {p.job for p in people if p.job} | ({user_name} if user_name else set())))
     if wording.long_replies:
-        avoid = tuple(taken | jobs)
-        exchanges = [(user, f"{assistant} {ramble(rng, split, held_out, avoid)}") for user, assistant in exchanges]
+        exchanges = [(user, f"{assistant} {ramble(rng, split, held_out, items)}") for user, assistant in exchanges]
     question, answers = _question(rng, split, people, user_name, held_out)
     exchange = wording.frame(rng)
     options = [at_answer(exchange, answer, user=question)[1] for answer in answers]
     prompt, output = at_answer(exchange, answers[0], user=question)
     rng.shuffle(options)
     contexts = [exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
-    items = tuple(sorted(taken | jobs | ({user_name} if user_name else set())))
     return OnlineSample(contexts, prompt, output, choices=options), items
 
 
