@@ -94,6 +94,24 @@ def test_train_continues_an_adapter_with_more_comp_tokens(tiny_model, tmp_path, 
     assert all(torch.equal(before[name], after[name]) for name in before if name != "ccm.comp_embeddings")
 
 
+def test_train_continues_an_adapter_with_more_lora_targets(tiny_model, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    attention = tmp_path / "attention"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig()).save_pretrained(attention)
+    out = tmp_path / "with-mlp"
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    train(tiny_model, out, 1, "--init-adapter", str(attention), "--target-modules", *targets, "--learning-rate", "0")
+    assert "except --target-modules q_proj" in capsys.readouterr().out
+    assert json.loads((out / "ccm_config.json").read_text())["target_modules"] == targets
+    before, after = load_file(attention / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    added = [name for name in after.keys() - before.keys() if "lora_B" in name]
+    assert {name.split(".")[-3] for name in added} == {"gate_proj", "up_proj", "down_proj"}
+    assert all(not after[name].any() for name in added)
+    CCMForCausalLM.from_pretrained(out, base_model=tiny_model)  # loads as saved
+
+
 def test_train_on_a_jsonl_file(tiny_model, tmp_path):
     from transformers_ccm.tasks import make_samples, save_jsonl
 

@@ -251,6 +251,42 @@ def test_load_adapter_resizes_comp_tokens_when_asked(tmp_path, saved, wanted):
     assert all(torch.equal(value, target.lora_state_dict()[name]) for name, value in source.lora_state_dict().items())
 
 
+_WITH_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+
+
+def test_load_adapter_extends_targets_when_asked(tmp_path):
+    """An attention-only adapter loads into a model that also adapts its MLP, which then computes exactly what the
+    saved adapter computes: the added layers start at zero."""
+    source = _adapter(None, seed=3)
+    source.save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9, target_modules=_WITH_MLP)
+    with pytest.raises(ValueError, match="target_modules: adapter None vs model"):
+        target.load_adapter(tmp_path / "adapter")
+    target.load_adapter(tmp_path / "adapter", extend_targets=True)
+    assert target.config.target_modules == _WITH_MLP
+    weights = target.lora_state_dict()
+    added = [key for key in weights if "mlp" in key and "lora_B" in key]
+    assert added and all(not weights[key].any() for key in added)
+    assert all(torch.equal(value, weights[name]) for name, value in source.lora_state_dict().items())
+    assert torch.equal(_logits_from_memory(target), _logits_from_memory(source))
+
+
+def _logits_from_memory(model):
+    cache = model.new_cache()
+    model.compress(cache, CONTEXT)
+    with torch.no_grad():
+        return model(input_ids=PROMPT, past_key_values=cache).logits
+
+
+def test_extending_targets_refuses_an_adapter_that_covers_others(tmp_path):
+    _adapter(None, seed=3, target_modules=_WITH_MLP).save_pretrained(tmp_path / "wider")
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"do not fit this model \(unexpected: "):
+        target.load_adapter(tmp_path / "wider", extend_targets=True)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
 def test_resizing_a_crafted_comp_embedding_is_refused_and_changes_nothing(tmp_path):
     from safetensors.torch import load_file, save_file
 

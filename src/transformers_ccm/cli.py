@@ -114,6 +114,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         update=args.update,
         ema_alpha=args.ema_alpha,
         r=args.lora_r,
+        target_modules=args.target_modules,
         trained_on=args.trained_on
         or (
             f"transformers-ccm built-in task '{args.task}'" if not _is_file(args.task) else os.path.basename(args.task)
@@ -124,10 +125,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.distill_teacher:
         config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
-        config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens)
+        config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
     model = CCMForCausalLM.from_base(args.model, config)
     if args.init_adapter:
-        model.load_adapter(args.init_adapter, resize_comp_tokens=True)
+        model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
         model.config = replace(model.config, trained_on=config.trained_on)
     tokenizer = load_tokenizer(args.model)
     recipe = TrainingRecipe(
@@ -178,9 +179,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"adapter saved to {args.output_dir}")
 
 
-def _initial_adapter_config(adapter: str, requested: CCMConfig, num_comp_tokens: int | None) -> CCMConfig:
-    """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text, and
-    `num_comp_tokens` `<COMP>` tokens where given."""
+def _initial_adapter_config(
+    adapter: str, requested: CCMConfig, num_comp_tokens: int | None, target_modules: list[str] | None
+) -> CCMConfig:
+    """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text,
+    `num_comp_tokens` `<COMP>` tokens and LoRA `target_modules` where given."""
     from transformers_ccm.hub import read_adapter, resolve_adapter
 
     config, _ = read_adapter(resolve_adapter(adapter))
@@ -204,6 +207,9 @@ def _initial_adapter_config(adapter: str, requested: CCMConfig, num_comp_tokens:
         )
         print(f"  except --num-comp-tokens {num_comp_tokens}: {kept_embeddings}")
         config = replace(config, num_comp_tokens=num_comp_tokens)
+    if target_modules is not None and target_modules != config.target_modules:
+        print(f"  except --target-modules {' '.join(target_modules)}: LoRA layers it lacks start at zero")
+        config = replace(config, target_modules=target_modules)
     # The card tells the adapter's whole training, earlier stages first.
     trained_on = f"{config.trained_on}, then {requested.trained_on}" if config.trained_on else requested.trained_on
     return replace(config, trained_on=trained_on, base_model_shape=None)
@@ -553,6 +559,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--ema-alpha", type=float, default=0.5)
     train.add_argument("--lora-r", type=int, default=8)
+    train.add_argument(
+        "--target-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="modules that get the LoRA, by name (e.g. q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); "
+        "default: every projection of each attention layer. With --init-adapter, its targets and more: the added "
+        "ones start at zero, so training starts from the adapter as it was",
+    )
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--gradient-accumulation", type=int, default=1)
@@ -567,8 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-adapter",
         default=None,
         help="start from this adapter (a folder, Hub id or ccm:name) instead of a fresh one; its update rule and "
-        "LoRA shape are kept (--update and --lora-r are ignored), and its <COMP> count unless --num-comp-tokens "
-        "asks for another",
+        "LoRA shape are kept (--update and --lora-r are ignored), and its <COMP> count and LoRA targets unless "
+        "--num-comp-tokens or --target-modules asks for others",
     )
     train.add_argument(
         "--method",

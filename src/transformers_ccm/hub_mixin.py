@@ -123,6 +123,7 @@ class AdapterHubMixin:
         token: str | bool | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         resize_comp_tokens: bool = False,
+        extend_targets: bool = False,
     ) -> None:
         """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
         length); its update rule comes along. Nothing changes if anything does not match.
@@ -130,7 +131,12 @@ class AdapterHubMixin:
         With `resize_comp_tokens=True` an adapter with another number of `<COMP>` tokens loads too, to continue
         training with more (or fewer) memory slots per context: the model keeps its own count, its first tokens
         take the adapter's embeddings and any further ones copies of the adapter's last, so a grown adapter
-        starts out close to the saved one and training tells the copies apart."""
+        starts out close to the saved one and training tells the copies apart.
+
+        With `extend_targets=True` an adapter with LoRA on some of this model's targets loads too (attention
+        only, say, into a model that also adapts its MLP): the model keeps its own targets, and the LoRA layers
+        the adapter lacks start at zero (`B = 0`), so the model computes what the saved adapter does until
+        training moves them."""
         folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
         config, tensors = read_adapter(folder)
         check_base_shape(
@@ -143,6 +149,9 @@ class AdapterHubMixin:
             config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
         structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
         different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
+        if extend_targets and "target_modules" in different:
+            different.remove("target_modules")  # which layers it covers is checked against the weights below
+            config = replace(config, target_modules=self.config.target_modules)
         if different:
             details = ", ".join(
                 f"{n}: adapter {getattr(config, n)!r} vs model {getattr(self.config, n)!r}" for n in different
@@ -151,13 +160,24 @@ class AdapterHubMixin:
                 f"The adapter at {folder} has another structure ({details}); load it with "
                 "CCMForCausalLM.from_pretrained instead."
             )
-        self._load_adapter_weights(tensors, folder)
+        self._load_adapter_weights(tensors, folder, extend_targets)
         self.config = replace(config, base_model_shape=self.config.base_model_shape)
 
-    def _load_adapter_weights(self, tensors: dict[str, torch.Tensor], source: os.PathLike[str]) -> None:
-        """Check every name and shape first, then copy: a mismatch leaves the model untouched."""
+    def _load_adapter_weights(
+        self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], extend_targets: bool = False
+    ) -> None:
+        """Check every name and shape first, then copy: a mismatch leaves the model untouched. With
+        `extend_targets`, LoRA layers absent from `tensors` as a whole are set to zero instead of missing."""
         expected = self.adapter_tensors()
-        missing = sorted(expected.keys() - tensors.keys())
+        absent_layers = (
+            {key.rpartition(".lora_")[0] for key in expected.keys() - tensors.keys() if ".lora_" in key}
+            if extend_targets
+            else set()
+        )
+        added = {f"{layer}.lora_{part}.weight" for layer in absent_layers for part in "AB"}
+        if absent_layers and (added - expected.keys() or added & tensors.keys()):
+            absent_layers, added = set(), set()  # a layer with half its weights: reported as missing below
+        missing = sorted(expected.keys() - tensors.keys() - added)
         unexpected = sorted(tensors.keys() - expected.keys())
         wrong = sorted(k for k in expected.keys() & tensors.keys() if tensors[k].shape != expected[k].shape)
         if missing or unexpected or wrong:
@@ -169,6 +189,10 @@ class AdapterHubMixin:
             raise ValueError(f"The adapter weights in {source} do not fit this model ({'; '.join(problems)}).")
         with torch.no_grad():
             lora = {key: value for key, value in tensors.items() if key != COMP_EMBEDDINGS_KEY}
+            lora |= {
+                f"{layer}.lora_B.weight": torch.zeros_like(expected[f"{layer}.lora_B.weight"])
+                for layer in absent_layers
+            }
             set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
             self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
 
