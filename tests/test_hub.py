@@ -278,12 +278,20 @@ def _logits_from_memory(model):
         return model(input_ids=PROMPT, past_key_values=cache).logits
 
 
-def test_extending_targets_refuses_an_adapter_that_covers_others(tmp_path):
+def test_extending_targets_refuses_an_adapter_that_covers_others_or_lacks_its_own(tmp_path):
     _adapter(None, seed=3, target_modules=_WITH_MLP).save_pretrained(tmp_path / "wider")
-    target = _adapter(None, seed=9)
+    _adapter(None, seed=3).save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "adapter_model.safetensors"
+    _rewrite_weights(
+        weights, lambda tensors: {k: v for k, v in tensors.items() if ".layers.0.self_attn.q_proj" not in k}
+    )
+    target = _adapter(None, seed=9, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    with pytest.raises(ValueError, match=r"do not fit this model \(unexpected: "):
+    with pytest.raises(ValueError, match=r"do not fit this model \(unexpected: .*down_proj"):
         target.load_adapter(tmp_path / "wider", extend_targets=True)
+    # Its own targets cover the first layer's q_proj: a file without it is cut short, not a smaller adapter.
+    with pytest.raises(ValueError, match=r"do not fit this model \(missing: .*layers\.0\.self_attn\.q_proj"):
+        target.load_adapter(tmp_path / "cut", extend_targets=True)
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 

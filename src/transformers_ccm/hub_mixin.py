@@ -25,7 +25,7 @@ from transformers_ccm.hub import (
     resolve_adapter,
     save_adapter,
 )
-from transformers_ccm.lora import ADAPTER_NAME
+from transformers_ccm.lora import ADAPTER_NAME, untargeted
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -43,6 +43,10 @@ class AdapterHubMixin:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
         # CCM never resizes embeddings, so PEFT need not look up the base config (a network call) to check.
         return get_peft_model_state_dict(self.base_model, adapter_name=ADAPTER_NAME, save_embedding_layers=False)
+
+    def lora_layer_names(self) -> set[str]:
+        """The qualified names of the modules that carry a LoRA (as in the keys of `lora_state_dict`)."""
+        return {key.rpartition(".lora_")[0] for key in self.lora_state_dict()}
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """Every adapter tensor as saved: the LoRA under PEFT's key names and the `<COMP>` embeddings."""
@@ -149,8 +153,11 @@ class AdapterHubMixin:
             config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
         structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
         different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
+        added_layers: set[str] = set()
         if extend_targets and "target_modules" in different:
-            different.remove("target_modules")  # which layers it covers is checked against the weights below
+            different.remove("target_modules")
+            # Only layers its own targets leave out start at zero; one they cover must be in the file.
+            added_layers = untargeted(self.base_model, config.target_modules, self.lora_layer_names())
             config = replace(config, target_modules=self.config.target_modules)
         if different:
             details = ", ".join(
@@ -160,25 +167,18 @@ class AdapterHubMixin:
                 f"The adapter at {folder} has another structure ({details}); load it with "
                 "CCMForCausalLM.from_pretrained instead."
             )
-        self._load_adapter_weights(tensors, folder, extend_targets)
+        self._load_adapter_weights(tensors, folder, added_layers)
         self.config = replace(config, base_model_shape=self.config.base_model_shape)
 
     def _load_adapter_weights(
-        self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], extend_targets: bool = False
+        self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: set[str] = frozenset()
     ) -> None:
-        """Check every name and shape first, then copy: a mismatch leaves the model untouched. With
-        `extend_targets`, LoRA layers absent from `tensors` as a whole are set to zero instead of missing."""
+        """Check every name and shape first, then copy: a mismatch leaves the model untouched. The LoRA layers
+        named in `added_layers` are not in `tensors`; they are set to zero."""
         expected = self.adapter_tensors()
-        absent_layers = (
-            {key.rpartition(".lora_")[0] for key in expected.keys() - tensors.keys() if ".lora_" in key}
-            if extend_targets
-            else set()
-        )
-        added = {f"{layer}.lora_{part}.weight" for layer in absent_layers for part in "AB"}
-        if absent_layers and (added - expected.keys() or added & tensors.keys()):
-            absent_layers, added = set(), set()  # a layer with half its weights: reported as missing below
+        added = {f"{layer}.lora_{part}.weight" for layer in added_layers for part in "AB"}
         missing = sorted(expected.keys() - tensors.keys() - added)
-        unexpected = sorted(tensors.keys() - expected.keys())
+        unexpected = sorted(tensors.keys() - (expected.keys() - added))
         wrong = sorted(k for k in expected.keys() & tensors.keys() if tensors[k].shape != expected[k].shape)
         if missing or unexpected or wrong:
             problems = [
@@ -190,8 +190,7 @@ class AdapterHubMixin:
         with torch.no_grad():
             lora = {key: value for key, value in tensors.items() if key != COMP_EMBEDDINGS_KEY}
             lora |= {
-                f"{layer}.lora_B.weight": torch.zeros_like(expected[f"{layer}.lora_B.weight"])
-                for layer in absent_layers
+                f"{layer}.lora_B.weight": torch.zeros_like(expected[f"{layer}.lora_B.weight"]) for layer in added_layers
             }
             set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
             self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])

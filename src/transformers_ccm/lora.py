@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import check_target_module_exists
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
@@ -43,7 +44,7 @@ def default_target_modules(model: torch.nn.Module) -> str:
         child_name
         for module in attention.values()
         for child_name, child in module.named_children()
-        if isinstance(child, (torch.nn.Linear, Conv1D))
+        if isinstance(child, (torch.nn.Linear, Conv1D, LoraLayer))  # LoraLayer: the model already has a LoRA
     }
     if not projections:
         raise TypeError(
@@ -66,6 +67,13 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
         fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()),
     )
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
+
+
+def untargeted(model: PreTrainedModel, target_modules: list[str] | None, names: set[str]) -> set[str]:
+    """Those of the module `names` (qualified in `model`) that `target_modules` (`None`: the default attention
+    projections) does not select."""
+    config = LoraConfig(target_modules=target_modules or default_target_modules(model))
+    return {name for name in names if not check_target_module_exists(config, name)}
 
 
 def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
