@@ -1,5 +1,6 @@
 """Sharing an adapter: save it in PEFT format, load it back, and see the same answers; then load it into a
-model with more `<COMP>` tokens, to go on training it with more memory slots per context.
+model with more `<COMP>` tokens, or with a LoRA on its MLP too, to go on training it with more memory slots per
+context or more adapted modules.
 
     python examples/sharing.py
 
@@ -36,8 +37,13 @@ def main() -> None:
         # Four slots per context instead of two: the saved <COMP> embeddings, then copies of the last one.
         grown = CCMForCausalLM.from_base(build_base(), CCMConfig(num_comp_tokens=4, update="merge", lora_dropout=0.0))
         grown.load_adapter(folder, resize_comp_tokens=True)
+        # A LoRA on the MLP projections as well: the saved layers, and the added ones at zero.
+        mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        wider = CCMForCausalLM.from_base(build_base(), CCMConfig(update="merge", target_modules=mlp, lora_dropout=0.0))
+        wider.load_adapter(folder, extend_targets=True)
     print(f"answer before saving: {answer(model)}, after loading: {answer(loaded.eval())} (expected 52)")
     print(f"with {grown.config.num_comp_tokens} <COMP> tokens, before any training: {answer(grown.eval())}")
+    print(f"with a LoRA on the MLP too, before any training: {answer(wider.eval())}")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,10 @@ def test_online_inference_answers_from_memory(capsys):
 
 def test_sharing_round_trip(capsys):
     runpy.run_path(str(EXAMPLES / "sharing.py"), run_name="__main__")
-    *_, loaded, grown = capsys.readouterr().out.strip().splitlines()
+    *_, loaded, grown, wider = capsys.readouterr().out.strip().splitlines()
     assert loaded == "answer before saving: 52, after loading: 52 (expected 52)"
     assert grown == "with 4 <COMP> tokens, before any training: 52"  # copies of a slot keep the answer
+    assert wider == "with a LoRA on the MLP too, before any training: 52"  # the added layers start at zero
 
 
 def test_streaming_stays_within_the_budget(capsys):
