@@ -7,6 +7,7 @@ users know from transformers and PEFT: `save_pretrained`, `push_to_hub`, `from_p
 from __future__ import annotations
 
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +44,6 @@ class AdapterHubMixin:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
         # CCM never resizes embeddings, so PEFT need not look up the base config (a network call) to check.
         return get_peft_model_state_dict(self.base_model, adapter_name=ADAPTER_NAME, save_embedding_layers=False)
-
-    def lora_layer_names(self) -> set[str]:
-        """The qualified names of the modules that carry a LoRA (as in the keys of `lora_state_dict`)."""
-        return {key.rpartition(".lora_")[0] for key in self.lora_state_dict()}
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """Every adapter tensor as saved: the LoRA under PEFT's key names and the `<COMP>` embeddings."""
@@ -157,7 +154,7 @@ class AdapterHubMixin:
         if extend_targets and "target_modules" in different:
             different.remove("target_modules")
             # Only layers its own targets leave out start at zero; one they cover must be in the file.
-            added_layers = untargeted(self.base_model, config.target_modules, self.lora_layer_names())
+            added_layers = untargeted(self.base_model, config.target_modules)
             config = replace(config, target_modules=self.config.target_modules)
         if different:
             details = ", ".join(
@@ -171,7 +168,7 @@ class AdapterHubMixin:
         self.config = replace(config, base_model_shape=self.config.base_model_shape)
 
     def _load_adapter_weights(
-        self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: set[str] = frozenset()
+        self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: AbstractSet[str] = frozenset()
     ) -> None:
         """Check every name and shape first, then copy: a mismatch leaves the model untouched. The LoRA layers
         named in `added_layers` are not in `tensors`; they are set to zero."""

@@ -69,11 +69,15 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
 
 
-def untargeted(model: PreTrainedModel, target_modules: list[str] | None, names: set[str]) -> set[str]:
-    """Those of the module `names` (qualified in `model`) that `target_modules` (`None`: the default attention
-    projections) does not select."""
+def untargeted(model: PreTrainedModel, target_modules: list[str] | None) -> set[str]:
+    """The qualified names of the LoRA layers of `model` that `target_modules` (`None`: the default attention
+    projections) would not select."""
     config = LoraConfig(target_modules=target_modules or default_target_modules(model))
-    return {name for name in names if not check_target_module_exists(config, name)}
+    return {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and not check_target_module_exists(config, name)
+    }
 
 
 def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
