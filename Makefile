@@ -47,6 +47,12 @@ distilled = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapt
 TO_ICL = icl:2,personalization:2,dialogue:1
 WITH_CHATS = icl:1,personalization:2,dialogue:1,chat:3
 MORE_DIALOGUE = icl:1,personalization:3,dialogue:2,chat:3
+WITH_PEOPLE = people:3,icl:2,personalization:3,dialogue:2,chat:3
+# The last two stages ran on one H200 (about 4 minutes each, docs/training.md); on 2 CPU cores each takes 10 to 20
+# hours each. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
+gpu_stage = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/$(1) --task "$(2)" \
+	--distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 32 \
+	--eval-samples 32 --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
 
 adapters: install
 	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update concat --num-comp-tokens 1 \
@@ -75,8 +81,12 @@ adapters: install
 	$(call distilled,stage7-merge,$(MORE_DIALOGUE),75,75,10,stage8-merge)
 	$(call distilled,stage8-merge,$(MORE_DIALOGUE),100,50,11,stage9-merge)
 	$(call distilled,stage9-merge,$(MORE_DIALOGUE),100,50,13,stage10-merge) --num-comp-tokens 4
-	cd out/stage10-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
-	cd out/stage10-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
+	$(call gpu_stage,stage10-concat,$(WITH_PEOPLE),600,100,21,stage11g-concat)
+	$(call gpu_stage,stage10-merge,$(MORE_DIALOGUE),300,50,22,stage11g-merge)
+	$(call gpu_stage,stage11g-concat,$(WITH_PEOPLE),600,100,31,stage12g-concat)
+	$(call gpu_stage,stage11g-merge,$(MORE_DIALOGUE),300,50,32,stage12g-merge)
+	cd out/stage12g-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
+	cd out/stage12g-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
 # adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history

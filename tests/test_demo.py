@@ -2,6 +2,7 @@
 mentioned among small talk."""
 
 import random
+import re
 
 import pytest
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -54,6 +55,16 @@ def recalled(
     return list(zip(ASKED, replies[-3:], strict=True))
 
 
+def says(reply: str, value: str) -> bool:
+    """Whether `reply` names `value` as whole words, in any case ("Jordanian" does not name "Jordan")."""
+    return re.search(rf"\b{re.escape(value)}\b", reply, flags=re.IGNORECASE) is not None
+
+
+def test_a_reply_names_a_fact_only_as_whole_words():
+    assert says("You're Jordan.", "Jordan") and says("You work as a Glass Blower/Designer.", "glass blower/designer")
+    assert not says("You told me Jordanian.", "Jordan") and not says("Your friend is Annabel.", "Anna")
+
+
 @pytest.mark.slow
 def test_concat_adapter_recalls_held_out_names_jobs_and_friends():
     model = CCMForCausalLM.from_pretrained("ccm:smollm2-concat").eval()
@@ -61,6 +72,6 @@ def test_concat_adapter_recalls_held_out_names_jobs_and_friends():
     missed = []
     for person in held_out_people(4):
         for fact, reply in recalled(model, tokenizer, person):
-            if person[fact].lower() not in reply.lower():
+            if not says(reply, person[fact]):
                 missed.append((fact, person[fact], reply))
     assert not missed, f"{len(missed)} of {3 * 4} facts not recalled: {missed}"

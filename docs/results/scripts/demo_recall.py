@@ -3,7 +3,7 @@
 import sys
 
 sys.path.insert(0, "tests")
-from test_demo import ASKED, held_out_people, recalled
+from test_demo import ASKED, held_out_people, recalled, says
 from transformers_ccm import CCMForCausalLM
 from transformers_ccm.embedded import load_tokenizer
 
@@ -14,7 +14,7 @@ for adapter in sys.argv[2:]:
     hits = {fact: 0 for fact in ASKED}
     for person in held_out_people(count):
         for fact, reply in recalled(model, tokenizer, person):
-            ok = person[fact].lower() in reply.lower()
+            ok = says(reply, person[fact])
             hits[fact] += ok
             print(f"{adapter} {'OK  ' if ok else 'MISS'} {fact}={person[fact]!r}: {reply!r}")
     print(f"{adapter}: recalled {sum(hits.values())} of {3 * count}: {hits}")

@@ -8,7 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from test_demo import ASKED, held_out_people
+from test_demo import ASKED, held_out_people, says
 from transformers_ccm import CCMForCausalLM
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.cli import demo_script
@@ -40,7 +40,7 @@ for person in held_out_people(int(sys.argv[2])):
                 model.compress(session.cache, torch.tensor([turn]))
         for fact, question in zip(ASKED, script[-3:], strict=True):
             reply = session.turn(question).reply
-            hits[mode][fact] += person[fact].lower() in reply.lower()
+            hits[mode][fact] += says(reply, person[fact])
             print(f"{mode:9s} {fact}={person[fact]!r}: {reply!r}", flush=True)
 for mode, counts in hits.items():
     print(f"{mode}: {counts}")

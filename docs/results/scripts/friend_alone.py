@@ -4,7 +4,7 @@ then the friend question, on held-out people."""
 import sys
 
 sys.path.insert(0, "tests")
-from test_demo import held_out_people
+from test_demo import held_out_people, says
 from transformers_ccm import CCMForCausalLM
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.cli import demo_script
@@ -20,5 +20,5 @@ for person in held_out_people(int(sys.argv[2])):
         for index in turns:
             session.turn(script[index])
         reply = session.turn("What was my friend's name?").reply
-        hit = person["friend"].lower() in reply.lower()
+        hit = says(reply, person["friend"])
         print(f"{person['name']} {person['friend']} | {plan} | {hit} | {reply}", flush=True)
