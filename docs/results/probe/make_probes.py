@@ -7,7 +7,9 @@ jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jso
   hard case of recall), then a form field to fill in;
 - notes: a party planner's notes about three guests, in the third person, two of whom share the kind of fact asked
   about (two jobs, two home states or two pets), then a seating-chart field for one guest: the facts must be told
-  apart by whom they belong to, not only by their kind.
+  apart by whom they belong to, not only by their kind;
+- sorting (ICL, t = 16): a storeroom log puts hobbies, pets and jobs on three shelves named anew in every sample;
+  the shelf of a new item can only be learned from the log.
 """
 
 import argparse
@@ -261,6 +263,32 @@ def records(probe: Probe, seed: int, count: int = 48, steps: int = 8) -> list[di
     return out
 
 
+SHELVES = ("north", "south", "east", "west", "top", "bottom", "corner", "back")
+SORTED_KINDS = ("hobby", "pet", "job")
+
+
+def sorting_records(seed: int, count: int = 48, steps: int = 16) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        shelves = dict(zip(SORTED_KINDS, rng.sample(SHELVES, len(SORTED_KINDS)), strict=True))
+        asked = rng.choice(SORTED_KINDS)
+        kinds = [rng.choice(SORTED_KINDS) for _ in range(steps)]
+        if asked not in kinds:
+            kinds[rng.randrange(steps)] = asked
+        new_item = rng.choice(words(asked, "test"))
+        # Few pets are held out, so the log repeats items; the asked item is never in it.
+        line = "Box {} holds {} - stored on the {} shelf.\n"
+        contexts = [
+            line.format(i + 1, rng.choice([w for w in words(kind, "test") if w != new_item]), shelves[kind])
+            for i, kind in enumerate(kinds)
+        ]
+        question = f"Box {steps + 1} holds {new_item} - stored on the"
+        others = [shelf for kind, shelf in shelves.items() if kind != asked]
+        out.append(record(rng, contexts, question, shelves[asked], others))
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=2026)
@@ -269,11 +297,12 @@ if __name__ == "__main__":
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     draws = {
-        "messages": records(MESSAGES, seed=args.seed, count=args.count),
-        "emails": records(EMAILS, seed=args.seed, count=args.count),
-        "notes": guest_records(seed=args.seed, count=args.count),
+        "messages-t8": records(MESSAGES, seed=args.seed, count=args.count),
+        "emails-t8": records(EMAILS, seed=args.seed, count=args.count),
+        "notes-t8": guest_records(seed=args.seed, count=args.count),
+        "sorting-t16": sorting_records(seed=args.seed, count=args.count),
     }
     for name, samples in draws.items():
-        path = args.out_dir / f"{name}-t8.jsonl"
+        path = args.out_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in samples))
         print(path, len(samples))
