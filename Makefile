@@ -49,7 +49,7 @@ WITH_CHATS = icl:1,personalization:2,dialogue:1,chat:3
 MORE_DIALOGUE = icl:1,personalization:3,dialogue:2,chat:3
 WITH_PEOPLE = people:3,icl:2,personalization:3,dialogue:2,chat:3
 # The last two stages ran on one H200 (about 4 minutes each, docs/training.md); on 2 CPU cores each takes 10 to 20
-# hours each. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
+# hours. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
 gpu_stage = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/$(1) --task "$(2)" \
 	--distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 32 \
 	--eval-samples 32 --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)

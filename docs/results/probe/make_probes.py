@@ -1,5 +1,5 @@
 """Probes in wordings no built-in task uses, with three choices per question and items from the test split (names,
-jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t8.jsonl (other draws with --seed,
+jobs, places, pets training never saw). Writes docs/results/probe/<probe>-t<steps>.jsonl (other draws with --seed,
 --count and --out-dir):
 
 - messages: a user's text messages (facts in fresh phrasings among chatter), then a quiz question;
@@ -278,11 +278,9 @@ def sorting_records(seed: int, count: int = 48, steps: int = 16) -> list[dict]:
             kinds[rng.randrange(steps)] = asked
         new_item = rng.choice(words(asked, "test"))
         # Few pets are held out, so the log repeats items; the asked item is never in it.
+        logged = {kind: [w for w in words(kind, "test") if w != new_item] for kind in SORTED_KINDS}
         line = "Box {} holds {} - stored on the {} shelf.\n"
-        contexts = [
-            line.format(i + 1, rng.choice([w for w in words(kind, "test") if w != new_item]), shelves[kind])
-            for i, kind in enumerate(kinds)
-        ]
+        contexts = [line.format(i + 1, rng.choice(logged[kind]), shelves[kind]) for i, kind in enumerate(kinds)]
         question = f"Box {steps + 1} holds {new_item} - stored on the"
         others = [shelf for kind, shelf in shelves.items() if kind != asked]
         out.append(record(rng, contexts, question, shelves[asked], others))
