@@ -144,6 +144,16 @@ def test_scores_carry_intervals_and_per_sample_values(ccm, tokenizer, task):
         assert score.to_dict()["per_sample"] == score.per_sample
 
 
+def test_samples_with_different_numbers_of_choices_score_as_they_do_alone(ccm, tokenizer):
+    """A batch may mix samples with 2, 3 and 4 choices (grouping, or a JSONL file): each scores as alone."""
+    samples = make_samples("grouping", "test", 8, seed=0, steps=2)
+    assert len({len(s.choices) for s in samples}) >= 2
+    for method in ("no_context", "full_context", "ccm"):
+        together = score_samples(ccm, tokenizer, samples, method, "accuracy", batch_size=8).per_sample
+        alone = score_samples(ccm, tokenizer, samples, method, "accuracy", batch_size=1).per_sample
+        assert together == alone
+
+
 def test_full_context_reads_plain_text_with_the_adapter_only_when_unconditional(tokenizer):
     samples = make_samples("dialogue", "test", 6, seed=1, steps=2)
 

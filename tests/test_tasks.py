@@ -27,6 +27,7 @@ from transformers_ccm.tasks import (
 from transformers_ccm.tasks.dialogue import ASIDES, varied_exchange
 from transformers_ccm.tasks.document import passages
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, with_lookalike
+from transformers_ccm.tasks.grouping import ITEM_KINDS, composed_line, composed_turns, grouping_sample
 from transformers_ccm.tasks.icl import varied_frame
 from transformers_ccm.tasks.personalization import FILLER, varied_profile
 from transformers_ccm.tasks.replies import LIST_INTROS, SENTENCES, TIPS, ramble
@@ -49,7 +50,7 @@ def test_pools_split_by_identity(pool):
 
 
 TEST_ITEMS = {w for pool in POOLS for w in words(pool, "test")}
-FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue", "chat", "people"]
+FAMILIES_WITH_ITEMS = ["icl", "personalization", "dialogue", "chat", "people", "grouping"]
 
 
 def _text(sample):
@@ -170,7 +171,7 @@ def test_held_out_wordings_share_no_frame_or_phrase_with_training():
     held_out_parts = _held_out_parts()
     training = "\n".join(
         _text(built.sample)
-        for task in (MIXTURE, "people")
+        for task in (MIXTURE, "people", "grouping")
         for built in make_task_samples(task, "train", 600, seed=0)
         if built.task != "document"
     )
@@ -241,6 +242,56 @@ def test_varied_profiles_are_many_and_read_as_they_are_written(seed, question):
         for part in _literal_parts(template)
     }
     assert not [part for part in held_out if part in post + frame]
+
+
+# Phrases of the probes in docs/results/probe, which measure wordings no built-in task uses.
+PROBE_PHRASES = ("shelf", "stored", "holds", "Box")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(["numbered", "bare", "prose", "chat"]),
+    item=st.sampled_from(["Peru", "tabby cat"]),
+)
+def test_grouping_forms_are_many_and_read_as_they_are_written(seed, form, item):
+    """Every composed grouping form holds the item, then its group; cut at the group, prompt + output is the
+    context as written; and it shares no phrase with a held-out wording or a probe."""
+    rng = random.Random(seed)
+    frame = composed_turns(rng) if form == "chat" else composed_line(rng, form)
+    assert frame.count("{x}") == frame.count("{answer}") == 1 and frame.index("{x}") < frame.index("{answer}")
+    assert ("{i}" in frame) == (form == "numbered")
+    prompt, output = at_answer(frame, "K7", x=item, i="3")
+    assert prompt + output == frame.format(x=item, answer="K7", i="3").rstrip()
+    assert not prompt.endswith(" ") and output.strip().startswith("K7")
+    held_out = {part for w in WORDINGS["grouping"] if w.held_out for part in _literal_parts(w.demonstration)}
+    assert not [part for part in (*held_out, *PROBE_PHRASES) if part in frame]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 16), split=st.sampled_from(["train", "test"]))
+def test_grouping_asks_a_new_item_whose_group_the_contexts_name(seed, steps, split):
+    """The asked item is in the question and in no context; the output is one of 2-4 group names, each a
+    choice, and the contexts name only these groups; numbered contexts count 1..steps and the question goes on."""
+    (built,) = make_task_samples("grouping", split, 1, seed=seed, steps=steps)
+    sample, (asked, *others) = built.sample, built.items
+    assert asked in sample.input and asked not in others
+    assert 2 <= len(sample.choices) <= 4 and sample.output in sample.choices
+    names = [re.sub(r"(<\|im_end\|>|[.;,|/ ]|of course|I'd say)+$", "", choice).strip() for choice in sample.choices]
+    assert all(any(name in context for name in names) for context in sample.contexts)
+    if built.wording == "grouping/numbered":
+        assert [str(n) in context for n, context in enumerate(sample.contexts, start=1)] == [True] * steps
+        assert str(steps + 1) in sample.input
+
+
+def test_grouping_draws_every_kind_and_repeats_small_pools_only_when_they_run_out():
+    rng = random.Random(0)
+    kinds = set()
+    for _ in range(300):
+        sample, items = grouping_sample(rng, "test", 16, next(w for w in WORDINGS["grouping"] if w.form == "bare"))
+        kinds |= {kind for kind in ITEM_KINDS if set(items) & set(words(kind, "test"))}
+        assert len(sample.contexts) == 16
+    assert kinds == set(ITEM_KINDS)
 
 
 def test_varied_profiles_give_many_frames_in_training():

@@ -168,7 +168,9 @@ def score_samples(
             for row in range(len(batch))
         ]
         for choice in range(max(len(c) for c in candidates)):
-            rows = [prefixes[row] + candidates[row][choice] for row in range(len(batch))]
+            # A sample with fewer choices than others in its batch runs its first again; that score is dropped.
+            picked = [options[choice] if choice < len(options) else options[0] for options in candidates]
+            rows = [prefixes[row] + picked[row] for row in range(len(batch))]
             ids, mask = _right_pad(rows, pad)
             # Only the positions that predict a candidate token need the LM head (rows are right-padded).
             keep = ids.shape[1] - min(map(len, prefixes)) + 1
@@ -188,9 +190,11 @@ def score_samples(
                 logits,
                 ids,
                 [len(p) for p in prefixes],
-                [len(p) + len(candidates[r][choice]) for r, p in enumerate(prefixes)],
+                [len(p) + len(picked[r]) for r, p in enumerate(prefixes)],
             )
             for row, target in enumerate(targets):
+                if choice >= len(candidates[row]):
+                    continue
                 scores[row].append(target.mean().item())
                 if metric == "perplexity":
                     per_sample.append((-target.sum().item(), target.numel()))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers_ccm.data import OnlineSample
-from transformers_ccm.tasks import dialogue, document, icl, people, personalization
+from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
 from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
 
@@ -28,6 +28,7 @@ TASKS: dict[str, Generator] = {
     "chat": dialogue.dialogue_sample,
     "document": document.document_sample,
     "people": people.people_sample,
+    "grouping": grouping.grouping_sample,
 }
 WORDINGS: dict[str, Sequence[Any]] = {
     "icl": icl.WORDINGS,
@@ -36,6 +37,7 @@ WORDINGS: dict[str, Sequence[Any]] = {
     "chat": dialogue.CHAT_WORDINGS,
     "document": document.WORDINGS,
     "people": people.WORDINGS,
+    "grouping": grouping.WORDINGS,
 }
 # How each family is scored, and the time steps the paper reports for it.
 METRIC = {
@@ -45,6 +47,7 @@ METRIC = {
     "chat": "perplexity",
     "document": "perplexity",
     "people": "accuracy",
+    "grouping": "accuracy",
 }
 EVAL_STEPS = {
     "icl": (1, 2, 4, 8, 16),
@@ -53,8 +56,9 @@ EVAL_STEPS = {
     "chat": (1, 2, 4, 8),
     "document": (1, 2, 4, 8),
     "people": (1, 2, 4, 8),
+    "grouping": (1, 2, 4, 8, 16),
 }
-MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "chat": 8, "document": 8, "people": 8}
+MAX_STEPS = {"icl": 16, "personalization": 16, "dialogue": 12, "chat": 8, "document": 8, "people": 8, "grouping": 16}
 MIXTURE = "mixture"
 # The families "mixture" takes in turn: the paper's applications and general text. Later families join weighted
 # mixtures by name ("people:1,dialogue:2"), so that "mixture" keeps giving the samples it always gave.
