@@ -538,9 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--task",
         default="mixture",
-        help="icl | personalization | dialogue | chat | document | people | mixture (the first five) | a weighted "
-        "mixture such as icl:3,dialogue:1 | text (the Python reference, for streaming) | text-varied (the reference "
-        "and the standard library's docstrings, for streaming) | or a JSONL file",
+        help="icl | personalization | dialogue | chat | document | people | grouping | mixture (the first five) | a "
+        "weighted mixture such as icl:3,dialogue:1 | text (the Python reference, for streaming) | text-varied (the "
+        "reference and the standard library's docstrings, for streaming) | or a JSONL file",
     )
     train.add_argument(
         "--compress-chunk",
@@ -644,8 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         nargs="+",
         default=["icl", "personalization", "dialogue"],
-        help="also: chat (long replies), document (general text), people (who is who among several people), or JSONL "
-        "files of your own samples",
+        help="also: chat (long replies), document (general text), people (who is who among several people), grouping "
+        "(ICL in open forms), or JSONL files of your own samples",
     )
     evaluate.add_argument(
         "--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's; a file: all it has)"

@@ -33,6 +33,7 @@ CATEGORY_NOUNS = {
     "pet": ("pets", "animals", "critters"),
 }
 LABEL_SCHEMES = ("word", "color", "letter", "number", "code", "person", "category")
+_NAME_POOLS = {"word": "word", "color": "color", "person": "first_name"}  # schemes that name groups by word-list items
 
 
 Form = Literal["numbered", "bare", "prose", "chat"]
@@ -122,11 +123,8 @@ def group_names(rng: random.Random, split: Split, kinds: list[str]) -> tuple[lis
     if any(kind.endswith("_name") for kind in kinds):
         schemes.remove("person")
     scheme = rng.choice(schemes)
-    if scheme in ("word", "color"):
-        names = rng.sample(words(scheme, split), count)
-        return names, names
-    if scheme == "person":
-        names = rng.sample(words("first_name", split), count)
+    if scheme in _NAME_POOLS:
+        names = rng.sample(words(_NAME_POOLS[scheme], split), count)
         return names, names
     if scheme == "letter":
         return rng.sample(string.ascii_uppercase, count), []
