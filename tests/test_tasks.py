@@ -284,7 +284,7 @@ def test_grouping_asks_a_new_item_whose_group_the_contexts_name(seed, steps, spl
         assert str(steps + 1) in sample.input
 
 
-def test_grouping_draws_every_kind_and_repeats_small_pools_only_when_they_run_out():
+def test_grouping_draws_every_kind():
     rng = random.Random(0)
     kinds = set()
     for _ in range(300):

@@ -145,10 +145,11 @@ def grouping_sample(rng: random.Random, split: Split, steps: int, wording: Group
     names, named_items = group_names(rng, split, kinds)
     asked_kind = rng.randrange(len(kinds))
     asked = rng.choice(words(kinds[asked_kind], split))
+    pools = [[w for w in words(kind, split) if w != asked] for kind in kinds]
     used: list[str] = []
 
     def item(kind: int) -> str:
-        pool = [w for w in words(kinds[kind], split) if w != asked]
+        pool = pools[kind]
         fresh = [w for w in pool if w not in used]
         chosen = rng.choice(fresh or pool)
         if chosen not in used:
