@@ -36,12 +36,15 @@ test: install
 # <COMP> tokens instead of two (about 35 minutes).
 # On a GPU, see docs/training.md.
 SHIPPED = src/transformers_ccm/adapters
+# The shipped adapters were trained on shuffled batches, before batches were grouped by length by default; their
+# stages keep that order so that they reproduce.
+CCM_TRAIN = $(PYTHON) -m transformers_ccm.cli train --no-group-by-length
 # Options every stage distilled from the fine-tuned full-context baseline shares.
 DISTILLED_STAGE = --distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 8 --eval-samples 16
 ADAPTER_FILES = adapter_config.json adapter_model.safetensors ccm_config.json
 # One stage distilled from the fine-tuned full-context baseline, continuing an earlier one:
 # $(call distilled,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO), FROM and TO folders under out/.
-distilled = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/$(1) --task "$(2)" \
+distilled = $(CCM_TRAIN) --model default --init-adapter out/$(1) --task "$(2)" \
 	$(DISTILLED_STAGE) --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
 # The mixtures of the later stages (a variable, so that their commas do not split $(call)'s arguments).
 TO_ICL = icl:2,personalization:2,dialogue:1
@@ -50,17 +53,17 @@ MORE_DIALOGUE = icl:1,personalization:3,dialogue:2,chat:3
 WITH_PEOPLE = people:3,icl:2,personalization:3,dialogue:2,chat:3
 # The last two stages ran on one H200 (about 4 minutes each, docs/training.md); on 2 CPU cores each takes 10 to 20
 # hours. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
-gpu_stage = $(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/$(1) --task "$(2)" \
+gpu_stage = $(CCM_TRAIN) --model default --init-adapter out/$(1) --task "$(2)" \
 	--distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 32 \
 	--eval-samples 32 --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
 
 adapters: install
-	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update concat --num-comp-tokens 1 \
+	$(CCM_TRAIN) --model default --task mixture --update concat --num-comp-tokens 1 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage1-concat --task mixture \
+	$(CCM_TRAIN) --model default --init-adapter out/stage1-concat --task mixture \
 		--distill-weight 1 --learning-rate 5e-4 --steps 60 --batch-size 8 --eval-every 20 --eval-samples 16 \
 		--output-dir out/stage2-concat
-	$(PYTHON) -m transformers_ccm.cli train --model default --init-adapter out/stage2-concat \
+	$(CCM_TRAIN) --model default --init-adapter out/stage2-concat \
 		--task "icl:4,personalization:2,dialogue:1" --distill-weight 1 --learning-rate 5e-4 --steps 120 \
 		--batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stage3-concat
 	$(call distilled,stage3-concat,$(TO_ICL),200,50,0,stage4-concat)
@@ -70,7 +73,7 @@ adapters: install
 	$(call distilled,stage7-concat,$(MORE_DIALOGUE),150,50,8,stage8-concat)
 	$(call distilled,stage8-concat,$(MORE_DIALOGUE),150,50,9,stage9-concat)
 	$(call distilled,stage9-concat,$(MORE_DIALOGUE),100,50,10,stage10-concat)
-	$(PYTHON) -m transformers_ccm.cli train --model default --task mixture --update merge --num-comp-tokens 2 \
+	$(CCM_TRAIN) --model default --task mixture --update merge --num-comp-tokens 2 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-merge
 	$(call distilled,stage1-merge,$(TO_ICL),200,50,0,stage2-merge)
 	$(call distilled,stage2-merge,$(WITH_CHATS),100,50,3,stage3-merge)
@@ -92,11 +95,11 @@ adapters: install
 # adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history
 # as its prompt (no distillation: its teacher would be itself).
 full-context-baseline: install
-	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --task mixture --steps 200 \
+	$(CCM_TRAIN) --model default --method full-context --task mixture --steps 200 \
 		--batch-size 8 --output-dir out/fc/stage1
-	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --init-adapter out/fc/stage1 \
+	$(CCM_TRAIN) --model default --method full-context --init-adapter out/fc/stage1 \
 		--task mixture --learning-rate 5e-4 --steps 60 --batch-size 8 --output-dir out/fc/stage2
-	$(PYTHON) -m transformers_ccm.cli train --model default --method full-context --init-adapter out/fc/stage2 \
+	$(CCM_TRAIN) --model default --method full-context --init-adapter out/fc/stage2 \
 		--task "icl:4,personalization:2,dialogue:1" --learning-rate 5e-4 --steps 120 --batch-size 8 \
 		--eval-every 40 --eval-samples 16 --output-dir out/fc/stage3
 	mkdir -p $(SHIPPED)/smollm2-full-context
@@ -119,13 +122,13 @@ results: install
 # library's docstrings) in 32-token chunks with dense loss and distillation, then on the stream itself (the
 # streaming cache with its default schedule); then CCM against StreamingLLM at the same KV size.
 stream-adapter: install
-	$(PYTHON) -m transformers_ccm.cli train --model default --task text --compress-chunk 64 --update concat --num-comp-tokens 2 \
+	$(CCM_TRAIN) --model default --task text --compress-chunk 64 --update concat --num-comp-tokens 2 \
 		--steps 150 --eval-every 50 --output-dir out/stream-stage1
-	$(PYTHON) -m transformers_ccm.cli train --model default --task text-varied --compress-chunk 32 \
+	$(CCM_TRAIN) --model default --task text-varied --compress-chunk 32 \
 		--init-adapter out/stream-stage1 --supervision dense --distill-weight 1 --learning-rate 5e-4 \
 		--steps 160 --batch-size 8 --eval-every 40 --eval-samples 16 --output-dir out/stream-stage2
 	rm -rf out/stream-stage2/checkpoint-*
-	$(PYTHON) -m transformers_ccm.cli train --model default --task text-varied --compress-chunk 32 \
+	$(CCM_TRAIN) --model default --task text-varied --compress-chunk 32 \
 		--init-adapter out/stream-stage2 --supervision stream --stream-chunks 8 --stream-piece 16 \
 		--distill-weight 1 --learning-rate 5e-4 --steps 60 --batch-size 8 --eval-every 20 --eval-samples 16 \
 		--output-dir out/stream-stage3

@@ -130,3 +130,31 @@ def test_padding_to_a_multiple_leaves_the_loss_as_it_was():
     assert torch.allclose(plain, padded, atol=1e-5)
     with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
         CCMDataCollator(model, pad_to_multiple_of=0)
+
+
+@given(
+    lengths=st.lists(st.tuples(st.lists(st.integers(1, 6), max_size=4), st.integers(1, 4)), min_size=1, max_size=3),
+    with_output=st.booleans(),
+    layout=st.sampled_from(["ccm", "full_context"]),
+)
+def test_sequence_length_is_the_unpadded_row_length(lengths, with_output, layout):
+    samples = [OnlineSample([[7] * k for k in ctx], [8] * i, [9] if with_output else None) for ctx, i in lengths]
+    collate = CCMDataCollator(CONFIG, pad_token_id=0, layout=layout)
+    for sample in samples:
+        assert collate.sequence_length(sample) == collate([sample])["input_ids"].shape[1]
+
+
+def test_tokenized_samples_collate_to_the_same_batch():
+    from transformers_ccm.embedded import load_tokenizer
+    from transformers_ccm.tasks import make_samples
+
+    tokenizer = load_tokenizer("default")
+    samples = [*make_samples("mixture", "train", 12, seed=4), OnlineSample(["a", "a b"], "a", None)]
+    collate = CCMDataCollator(CONFIG, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id, supervision="dense")
+    tokenized = collate.tokenized(samples)
+    assert all(not isinstance(text, str) for sample in tokenized for text in (*sample.contexts, sample.input))
+    assert tokenized[-1].output is None
+    for key, tensor in collate(samples).items():
+        assert torch.equal(collate(tokenized)[key], tensor), key
+    without_tokenizer = [OnlineSample([[5]], "hello")]
+    assert CCMDataCollator(CONFIG).tokenized(without_tokenizer) == without_tokenizer

@@ -1,13 +1,17 @@
 """A few hundred optimisation steps on a tiny model learn to answer from compressed contexts."""
 
+import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.training import TrainingRecipe, train
+from transformers_ccm.training import SimilarLengthSampler, TrainingRecipe, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
 
@@ -101,3 +105,51 @@ def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_w
     with pytest.raises(ValueError, match=message):
         train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path / "out", recipe, teacher=teacher)
     assert not (tmp_path / "out").exists()
+
+
+def test_train_draws_length_grouped_batches_the_same_on_every_run(tmp_path):
+    short = [OnlineSample([[11, 41]], [QUERY], [41]) for _ in range(8)]
+    long = [OnlineSample([[12, 42, 13, 43] * 4] * 3, [QUERY], [43]) for _ in range(8)]
+    recipe = TrainingRecipe(steps=4, batch_size=4, save_every=4)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    trainer = train(model, None, short + long, None, tmp_path / "grouped", recipe)
+    width = {CCMDataCollator(model).sequence_length(sample[0]) for sample in (short, long)}
+    widths = [[batch["input_ids"].shape[1] for batch in trainer.get_train_dataloader()] for _ in range(2)]
+    assert widths[0] == widths[1] and sorted(widths[0]) == sorted([*width, *width])  # never short beside long
+
+    shuffled = replace(recipe, group_by_length=False)
+    trainer = train(model, None, short + long, None, tmp_path / "shuffled", shuffled)
+    mixed = [batch["input_ids"].shape[1] for batch in trainer.get_train_dataloader()]
+    assert trainer.sample_lengths is None and sorted(mixed) != sorted(widths[0])
+
+
+def test_length_grouping_benchmark_trains_both_ways_on_the_same_samples(tiny_model):
+    from benchmarks import length_grouping
+
+    assert length_grouping.padded_positions([1] * 4 + [10] * 4, 4, grouped=True, multiple=None) == 44
+    assert length_grouping.padded_positions([1] * 4 + [10] * 4, 4, grouped=True, multiple=8) == 4 * 8 + 4 * 16
+    report = length_grouping.run(tiny_model, "mixture", 2, 2, "fp32", 1.0, seed=0, eval_samples=2)
+    shuffled, grouped = report["shuffled"], report["grouped"]
+    assert 1.0 <= grouped["positions_per_token"] < shuffled["positions_per_token"]
+    for row in (shuffled, grouped):
+        assert len(row["loss"]) == 2 and row["eval_loss"] > 0 and row["seconds_per_sample"] > 0
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=120),
+    batch_size=st.integers(1, 9),
+    group=st.integers(1, 6),
+    seed=st.integers(0, 3),
+)
+def test_similar_length_batches_hold_every_sample_once_longest_first(lengths, batch_size, group, seed):
+    sampler = SimilarLengthSampler(lengths, batch_size, seed, group)
+    batches = sampler.batches()
+    assert sorted(index for batch in batches for index in batch) == list(range(len(lengths)))
+    assert all(len(batch) <= batch_size for batch in batches)
+    if lengths:
+        assert max(lengths) in [lengths[index] for index in batches[0]]
+    assert batches == SimilarLengthSampler(lengths, batch_size, seed, group).batches()  # the same draws for a seed
+    # One group holding every sample: the batches are cut from one ordering by length, so their ranges never overlap.
+    whole = SimilarLengthSampler(lengths, batch_size, seed, group=len(lengths) + 1).batches()
+    ranges = sorted((min(lengths[i] for i in batch), max(lengths[i] for i in batch)) for batch in whole)
+    assert all(high <= low for (_, high), (low, _) in itertools.pairwise(ranges))

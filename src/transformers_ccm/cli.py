@@ -140,6 +140,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         save_every=args.eval_every,
         seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing,
+        group_by_length=args.group_by_length,
         precision=args.precision,
         supervision="output" if streaming is not None else args.supervision,
         distill_weight=args.distill_weight,
@@ -626,6 +627,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward (less memory)"
+    )
+    train.add_argument(
+        "--group-by-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batch samples of similar length (about half the padded positions of a shuffled mixture); "
+        "--no-group-by-length: shuffled batches",
     )
     train.add_argument(
         "--precision",

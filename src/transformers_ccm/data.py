@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -129,8 +129,42 @@ class CCMDataCollator:
             del batch["labels"]
         return batch
 
-    def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:
-        n = self.config.num_comp_tokens
+    def tokenized(self, samples: Sequence[OnlineSample]) -> list[OnlineSample]:
+        """`samples` with their contexts, inputs and outputs as token ids, from one batched tokenizer call: batches
+        of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem)."""
+        strings = sorted(
+            {
+                text
+                for sample in samples
+                for text in (*sample.contexts, sample.input, sample.output)
+                if isinstance(text, str)
+            }
+        )
+        if not strings or self.tokenizer is None:
+            return list(samples)
+        ids = dict(zip(strings, self.tokenizer(strings, add_special_tokens=False)["input_ids"], strict=True))
+
+        def as_ids(tokens: Tokens) -> Tokens:
+            return list(ids[tokens]) if isinstance(tokens, str) else tokens
+
+        return [
+            replace(
+                sample,
+                contexts=[as_ids(context) for context in sample.contexts],
+                input=as_ids(sample.input),
+                output=None if sample.output is None else as_ids(sample.output),
+            )
+            for sample in samples
+        ]
+
+    def sequence_length(self, sample: OnlineSample, index: int = 0) -> int:
+        """The positions `sample` (at `index` in its list, for errors) takes in a batch before padding."""
+        contexts, inputs, outputs = self._token_lists(index, sample)
+        comp = 0 if self.layout == "full_context" else self.config.num_comp_tokens
+        return sum(len(context) + comp for context in contexts) + len(inputs) + len(outputs)
+
+    def _token_lists(self, index: int, sample: OnlineSample) -> tuple[list[list[int]], list[int], list[int]]:
+        """The token ids of the sample's contexts, input and output (none without an output)."""
         contexts = [
             token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]")
             for j, context in enumerate(sample.contexts)
@@ -141,6 +175,11 @@ class CCMDataCollator:
             if sample.output is None
             else token_ids(sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True)
         )
+        return contexts, inputs, outputs
+
+    def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:
+        n = self.config.num_comp_tokens
+        contexts, inputs, outputs = self._token_lists(index, sample)
         layout = sample_layout([len(c) for c in contexts], len(inputs) + len(outputs), n)
         input_ids: list[int] = []
         labels: list[int] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -28,6 +28,40 @@ Precision = Literal["auto", "bf16", "fp32"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
+class SimilarLengthSampler(torch.utils.data.Sampler[int]):
+    """Sample indices in batches of samples of similar length: shuffled, sorted by length within groups of
+    `group` batches, cut into batches of `batch_size`, and the batches shuffled, the one holding the longest sample
+    first (a run that runs out of memory does so at its first step). Unlike transformers' `LengthGroupedSampler`,
+    whose batches run from long to short within each group, no stretch of a run sees only short or long samples."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group: int = 50) -> None:
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.group = group
+        self.generator = torch.Generator().manual_seed(seed)  # advanced by each pass: every epoch draws anew
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def batches(self) -> list[list[int]]:
+        """One pass: the batches, each a list of sample indices."""
+        shuffled = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        span = self.group * self.batch_size
+        batches = []
+        for start in range(0, len(shuffled), span):
+            by_length = sorted(shuffled[start : start + span], key=self.lengths.__getitem__, reverse=True)
+            batches += [by_length[i : i + self.batch_size] for i in range(0, len(by_length), self.batch_size)]
+        if not batches:
+            return []
+        order = torch.randperm(len(batches), generator=self.generator).tolist()
+        longest = max(range(len(batches)), key=lambda index: self.lengths[batches[index][0]])
+        order.remove(longest)
+        return [batches[index] for index in [longest, *order]]
+
+    def __iter__(self) -> Iterator[int]:
+        return (index for batch in self.batches() for index in batch)
+
+
 class CCMTrainer(Trainer):
     """A `Trainer` whose checkpoints hold the adapter files, never the base weights; its loss adds
     `distill_weight` times the self-distillation loss (see `distillation.py`) when that is positive. With
@@ -39,6 +73,19 @@ class CCMTrainer(Trainer):
     distill_teacher: CCMForCausalLM | None = None
     streaming: StreamingConfig | None = None
     stream_piece: int = 16
+    # Set: each training sample's length in positions, and batches are drawn length-grouped.
+    sample_lengths: list[int] | None = None
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
+        if self.sample_lengths is None:
+            return super()._get_train_sampler(train_dataset)
+        # A batch pads its rows to a similar length instead of to the longest sample of a shuffled mixture. Its own
+        # seed: a resumed run draws the same batches whatever else used the global RNG.
+        return SimilarLengthSampler(
+            self.sample_lengths,
+            self.args.train_batch_size * self.args.gradient_accumulation_steps,
+            seed=self.args.data_seed or self.args.seed,
+        )
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
@@ -114,6 +161,9 @@ class TrainingRecipe:
     # apply.
     streaming: StreamingConfig | None = None
     stream_piece: int = 16
+    # Draw batches of samples of similar length: a shuffled mixture pads its rows to about twice the positions
+    # (docs/training.md). Off: batches in shuffled order, as before the option existed.
+    group_by_length: bool = True
     # None: 128 on a GPU (the block size of the compiled block-sparse attention, which then compiles for a few
     # lengths only), no extra padding on CPU.
     pad_to_multiple_of: int | None = None
@@ -197,12 +247,8 @@ def train(
         dataloader_num_workers=0,
     )
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    trainer = CCMTrainer(
-        model=model,
-        args=args,
-        train_dataset=list(train_samples),
-        eval_dataset=list(eval_samples) if eval_samples else None,
-        data_collator=StreamCollator(recipe.streaming)
+    collator = (
+        StreamCollator(recipe.streaming)
         if recipe.streaming is not None
         else CCMDataCollator(
             model,
@@ -211,8 +257,22 @@ def train(
             supervision=recipe.supervision,
             layout=recipe.layout,
             pad_to_multiple_of=recipe.pad_to_multiple_of or (128 if on_gpu else None),
-        ),
+        )
     )
+    sample_lengths = None
+    if isinstance(collator, CCMDataCollator):
+        # Tokenized once here rather than at every batch; the lengths come from the same ids.
+        train_samples = collator.tokenized(train_samples)
+        if recipe.group_by_length:
+            sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+    trainer = CCMTrainer(
+        model=model,
+        args=args,
+        train_dataset=list(train_samples),
+        eval_dataset=list(eval_samples) if eval_samples else None,
+        data_collator=collator,
+    )
+    trainer.sample_lengths = sample_lengths
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
