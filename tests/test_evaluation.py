@@ -144,6 +144,19 @@ def test_scores_carry_intervals_and_per_sample_values(ccm, tokenizer, task):
         assert score.to_dict()["per_sample"] == score.per_sample
 
 
+@pytest.mark.parametrize("method", ["full_context", "ccm"])
+def test_per_sample_values_follow_the_order_given(ccm, tokenizer, method):
+    """Samples are scored in batches of similar length; each value still lands at its sample's place."""
+    samples = make_samples("dialogue", "test", 9, seed=2, steps=2)
+    forward = score_samples(ccm, tokenizer, samples, method, "perplexity", batch_size=4).per_sample
+    backward = score_samples(ccm, tokenizer, samples[::-1], method, "perplexity", batch_size=4).per_sample
+    alone = [score_samples(ccm, tokenizer, [sample], method, "perplexity").per_sample[0] for sample in samples]
+    assert len({tokens for _, tokens in alone}) > 1  # samples that tell apart a misplaced value
+    for values in (forward, backward[::-1]):
+        assert [tokens for _, tokens in values] == [tokens for _, tokens in alone]
+        assert [nll for nll, _ in values] == pytest.approx([nll for nll, _ in alone], rel=1e-4)
+
+
 def test_samples_with_different_numbers_of_choices_score_as_they_do_alone(ccm, tokenizer):
     """A batch may mix samples with 2, 3 and 4 choices (grouping, or a JSONL file): each scores as alone."""
     samples = make_samples("grouping", "test", 8, seed=0, steps=2)

@@ -99,6 +99,11 @@ def _ids(tokenizer: PreTrainedTokenizerBase, text: object) -> list[int]:
     return [int(t) for t in text]  # type: ignore[union-attr]
 
 
+def _history_tokens(tokenizer: PreTrainedTokenizerBase, sample: OnlineSample) -> int:
+    """The tokens of a sample's contexts and input: what sets its length in every method's batches."""
+    return sum(len(_ids(tokenizer, text)) for text in (*sample.contexts, sample.input))
+
+
 def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
@@ -141,10 +146,13 @@ def score_samples(
     if not samples:
         raise ValueError("score_samples got no samples.")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    per_sample: list[tuple[float, int]] = []
+    # Scored in batches of similar length (less padding), reported in the order given.
+    per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
     context_tokens, peak = 0, 0
+    order = sorted(range(len(samples)), key=lambda index: _history_tokens(tokenizer, samples[index]))
     for begin in range(0, len(samples), batch_size):
-        batch = samples[begin : begin + batch_size]
+        indices = order[begin : begin + batch_size]
+        batch = [samples[index] for index in indices]
         contexts = [[_ids(tokenizer, c) for c in s.contexts] for s in batch]
         inputs = [_ids(tokenizer, s.input) for s in batch]
         if metric == "accuracy":
@@ -197,12 +205,13 @@ def score_samples(
                     continue
                 scores[row].append(target.mean().item())
                 if metric == "perplexity":
-                    per_sample.append((-target.sum().item(), target.numel()))
+                    per_sample[indices[row]] = (-target.sum().item(), target.numel())
                 peak = max(peak, memory[row] + len(rows[row]))  # full context: rows hold the contexts
         for row in range(len(batch)):
             context_tokens += memory[row] + (sum(map(len, contexts[row])) if method == "full_context" else 0)
             if metric == "accuracy":
-                per_sample.append((float(max(range(len(scores[row])), key=scores[row].__getitem__) == answers[row]), 1))
+                best = max(range(len(scores[row])), key=scores[row].__getitem__)
+                per_sample[indices[row]] = (float(best == answers[row]), 1)
     score = _log_score(per_sample, metric).item()
     low, high = value_interval(per_sample, metric)
     return MethodScore(
