@@ -29,8 +29,9 @@ MIXTURE = "people:3,icl:2,personalization:3,dialogue:2,chat:3"
 def padded_positions(lengths: Sequence[int], batch_size: int, grouped: bool, multiple: int | None) -> int:
     """The positions one pass over samples of `lengths` computes, padding included, in batches drawn as
     `train()` draws them: shuffled, or by `SimilarLengthSampler`."""
-    sampler = SimilarLengthSampler(lengths, batch_size, seed=0)
-    indices = list(sampler) if grouped else torch.randperm(len(lengths)).tolist()
+    indices = (
+        list(SimilarLengthSampler(lengths, batch_size, seed=0)) if grouped else torch.randperm(len(lengths)).tolist()
+    )
     total = 0
     for start in range(0, len(indices), batch_size):
         batch = indices[start : start + batch_size]

@@ -153,3 +153,11 @@ def test_similar_length_batches_hold_every_sample_once_longest_first(lengths, ba
     whole = SimilarLengthSampler(lengths, batch_size, seed, group=len(lengths) + 1).batches()
     ranges = sorted((min(lengths[i] for i in batch), max(lengths[i] for i in batch)) for batch in whole)
     assert all(high <= low for (_, high), (low, _) in itertools.pairwise(ranges))
+
+
+def test_ccm_train_groups_by_length_unless_told_not_to():
+    from transformers_ccm.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--output-dir", "x"]).group_by_length
+    assert not parse(["train", "--output-dir", "x", "--no-group-by-length"]).group_by_length
