@@ -21,7 +21,7 @@ import torch
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM
 from transformers_ccm.embedded import DEFAULT_MODEL, load_tokenizer
 from transformers_ccm.tasks import make_samples
-from transformers_ccm.training import Precision, SimilarLengthSampler, TrainingRecipe, train
+from transformers_ccm.training import GPU_PAD_MULTIPLE, Precision, SimilarLengthSampler, TrainingRecipe, train
 
 MIXTURE = "people:3,icl:2,personalization:3,dialogue:2,chat:3"
 
@@ -59,7 +59,7 @@ def run(
     drawn = samples + make_samples(task, "train", max(0, 100 - steps) * batch_size, seed=seed + 1)
     collator = CCMDataCollator(CCMConfig(), tokenizer=tokenizer)
     lengths = [collator.sequence_length(sample) for sample in collator.tokenized(drawn)]
-    multiple = 128 if torch.cuda.is_available() else None  # what `train()` pads to by default
+    multiple = GPU_PAD_MULTIPLE if torch.cuda.is_available() else None  # what `train()` pads to by default
     rows = {}
     for grouped in (False, True):
         torch.manual_seed(seed)

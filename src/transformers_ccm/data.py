@@ -132,13 +132,13 @@ class CCMDataCollator:
     def tokenized(self, samples: Sequence[OnlineSample]) -> list[OnlineSample]:
         """`samples` with their contexts, inputs and outputs as token ids, from one batched tokenizer call: batches
         of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem)."""
-        strings = sorted(
-            {
+        strings = list(
+            dict.fromkeys(
                 text
                 for sample in samples
                 for text in (*sample.contexts, sample.input, sample.output)
                 if isinstance(text, str)
-            }
+            )
         )
         if not strings or self.tokenizer is None:
             return list(samples)

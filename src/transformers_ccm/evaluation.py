@@ -99,11 +99,6 @@ def _ids(tokenizer: PreTrainedTokenizerBase, text: object) -> list[int]:
     return [int(t) for t in text]  # type: ignore[union-attr]
 
 
-def _history_tokens(tokenizer: PreTrainedTokenizerBase, sample: OnlineSample) -> int:
-    """The tokens of a sample's contexts and input: what sets its length in every method's batches."""
-    return sum(len(_ids(tokenizer, text)) for text in (*sample.contexts, sample.input))
-
-
 def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
@@ -149,12 +144,14 @@ def score_samples(
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
     context_tokens, peak = 0, 0
-    order = sorted(range(len(samples)), key=lambda index: _history_tokens(tokenizer, samples[index]))
+    histories = [[_ids(tokenizer, c) for c in s.contexts] for s in samples]
+    questions = [_ids(tokenizer, s.input) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: sum(map(len, histories[i])) + len(questions[i]))
     for begin in range(0, len(samples), batch_size):
         indices = order[begin : begin + batch_size]
         batch = [samples[index] for index in indices]
-        contexts = [[_ids(tokenizer, c) for c in s.contexts] for s in batch]
-        inputs = [_ids(tokenizer, s.input) for s in batch]
+        contexts = [histories[index] for index in indices]
+        inputs = [questions[index] for index in indices]
         if metric == "accuracy":
             candidates = [[_ids(tokenizer, c) for c in s.choices or ()] for s in batch]
             answers = [options.index(_ids(tokenizer, s.output)) for options, s in zip(candidates, batch, strict=True)]

@@ -26,6 +26,9 @@ from transformers_ccm.streaming import StreamingConfig
 # gradients and the optimizer state stay fp32) on a GPU or a CPU with bf16 instructions; "fp32": no autocast.
 Precision = Literal["auto", "bf16", "fp32"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+# Batches on a GPU are padded to a multiple of this many positions (the block size of the compiled block-sparse
+# attention, which then compiles for a few lengths only); on CPU they are not.
+GPU_PAD_MULTIPLE = 128
 
 
 class SimilarLengthSampler(torch.utils.data.Sampler[int]):
@@ -164,8 +167,7 @@ class TrainingRecipe:
     # Draw batches of samples of similar length: a shuffled mixture pads its rows to about twice the positions
     # (docs/training.md). Off: batches in shuffled order, as before the option existed.
     group_by_length: bool = True
-    # None: 128 on a GPU (the block size of the compiled block-sparse attention, which then compiles for a few
-    # lengths only), no extra padding on CPU.
+    # None: GPU_PAD_MULTIPLE on a GPU, no extra padding on CPU.
     pad_to_multiple_of: int | None = None
 
 
@@ -256,7 +258,7 @@ def train(
             pad_token_id=pad,
             supervision=recipe.supervision,
             layout=recipe.layout,
-            pad_to_multiple_of=recipe.pad_to_multiple_of or (128 if on_gpu else None),
+            pad_to_multiple_of=recipe.pad_to_multiple_of or (GPU_PAD_MULTIPLE if on_gpu else None),
         )
     )
     sample_lengths = None
