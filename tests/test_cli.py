@@ -327,6 +327,50 @@ def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, 
         main([*arguments, "--adapters", adapter, adapter, "--output-dir", str(tmp_path / "again")])
 
 
+def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
+    arguments = ["eval", "--model", tiny_model, "--tasks", "icl", "--steps", "1", "2", "--samples", "3", "--seed", "4"]
+    main([*arguments, "--adapters", adapter, "--output-dir", str(tmp_path / "first")])
+    adding = ["--add-to", str(tmp_path / "first"), "--output-dir", str(tmp_path / "added")]
+    main(["eval", "--model", tiny_model, "--seed", "4", "--adapters", str(copy), *adding])
+    first, added = (json.loads((tmp_path / name / "eval.json").read_text()) for name in ("first", "added"))
+    assert added["results"][: len(first["results"])] == first["results"]  # the earlier rows, baselines included
+    new = added["results"][len(first["results"]) :]
+    assert {r["method"] for r in new} == {f"ccm-concat:{copy}"}
+    # A copy of the first adapter, on the same samples: the same scores.
+    key = ("task", "wordings", "steps", "per_sample")
+    assert [[r[k] for k in key] for r in new] == [
+        [r[k] for k in key] for r in first["results"] if r["method"] == "ccm-concat"
+    ]
+    assert all(row["versus_first"] is not None for row in added["summary"] if row["method"] != "ccm-concat")
+    # A report written before rows carried their samples' digest: the samples are checked by scoring no context again.
+    older = tmp_path / "older"
+    older.mkdir()
+    stripped = [{k: v for k, v in row.items() if k != "samples_digest"} for row in first["results"]]
+    (older / "eval.json").write_text(json.dumps({"results": stripped}))
+    adding = ["--add-to", str(older), "--output-dir", str(tmp_path / "added-older")]
+    main(["eval", "--model", tiny_model, "--seed", "4", "--adapters", str(copy), *adding])
+    again = json.loads((tmp_path / "added-older" / "eval.json").read_text())["results"]
+    assert [r["per_sample"] for r in again[len(stripped) :]] == [r["per_sample"] for r in new]
+    capsys.readouterr()
+
+    report = ["eval", "--model", tiny_model, "--adapters", str(copy), "--output-dir", str(tmp_path / "x")]
+    (tmp_path / "crafted").mkdir()
+    (tmp_path / "crafted" / "eval.json").write_text('{"results": [{"task": "icl"}]}')
+    for extra, message in (
+        (["--add-to", str(tmp_path / "first")], "drawn again gives other samples than its report"),  # seed 0, not 4
+        (["--seed", "4", "--add-to", str(tmp_path / "added")], "already holds"),
+        (["--add-to", str(tmp_path / "missing")], "no eval.json there"),
+        (["--add-to", str(tmp_path / "crafted")], "is not a ccm eval report"),
+        (["--add-to", str(tmp_path / "first"), "--full-context-adapter", adapter], "drop --full-context-adapter"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*report, *extra])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     train(tiny_model, tmp_path / "full", 2, "--method", "full-context", "--supervision", "dense")
     config = json.loads((tmp_path / "full" / "ccm_config.json").read_text())

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from transformers_ccm.chat import TurnReport
     from transformers_ccm.data import OnlineSample
     from transformers_ccm.modeling import CCMForCausalLM
+
+    # What `ccm eval` scores at once: (task, wording set, time step, samples, metric).
+    SampleSet = tuple[str, str, int, list[OnlineSample], str]
 
 
 # Commands import torch and transformers inside their handlers, so that `ccm --help` answers at once.
@@ -284,6 +287,69 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
     ]
 
 
+def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], list[SampleSet]]:
+    """The result rows of the `ccm eval` report in `folder` and its sample sets, drawn again as that run drew them
+    (same task, wording set, time step and count, with `args.seed`) for `ccm eval --add-to`."""
+    import json
+    from pathlib import Path
+
+    from transformers_ccm.evaluation import summarize
+
+    path = Path(folder, "eval.json")
+    if not path.is_file():
+        raise ValueError(f"--add-to {folder}: no eval.json there; give the --output-dir of an earlier ccm eval.")
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))["results"]
+        summarize(rows)  # reads every field the joint report needs
+        drawn = [
+            (r["task"], r["wordings"], int(r["steps"]), int(r["samples"])) for r in rows if r["method"] == "no_context"
+        ]
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise ValueError(f"--add-to {folder}: {path} is not a ccm eval report ({error!r}).") from None
+    if not drawn:
+        raise ValueError(f"--add-to {folder}: {path} holds no scored samples; run ccm eval without --add-to.")
+    sample_sets = []
+    for task, wordings, steps, count in drawn:
+        again = argparse.Namespace(samples=count, seed=args.seed, steps=[steps])
+        sample_sets += [(task, *found) for found in _evaluation_sets(task, again) if found[0] == wordings]
+    return rows, sample_sets
+
+
+def _samples_digest(samples: list[OnlineSample]) -> str:
+    """A short fingerprint of `samples`, stored in each `ccm eval` row so that `--add-to` can tell them again."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    return hashlib.sha256(json.dumps([asdict(sample) for sample in samples]).encode()).hexdigest()[:16]
+
+
+def _check_same_samples(
+    rows: list[dict], sample_set: SampleSet, no_context: Callable[[SampleSet], list[tuple[float, int]]], folder: str
+) -> None:
+    """Raise unless `sample_set`, drawn anew, holds the samples of its no-context row in `rows`: by their digest, or
+    in reports written before rows had one, by the no-context scores `no_context(sample_set)` computes again."""
+    import torch
+
+    task, wordings, steps, samples, _ = sample_set
+    stored = next(
+        r
+        for r in rows
+        if (r["task"], r["wordings"], int(r["steps"]), r["method"]) == (task, wordings, steps, "no_context")
+    )
+    if "samples_digest" in stored:
+        same = stored["samples_digest"] == _samples_digest(samples)
+    else:
+        before = torch.tensor(stored["per_sample"], dtype=torch.float64)
+        again = torch.tensor(no_context(sample_set), dtype=torch.float64)
+        same = before.shape == again.shape and torch.allclose(before, again, rtol=1e-4)
+    if not same:
+        raise ValueError(
+            f"--add-to {folder}: {task} ({wordings}, t={steps}) drawn again gives other samples than its report "
+            "(another --seed, or the task or its file changed since); score every adapter anew without --add-to."
+        )
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -300,35 +366,61 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
-    sample_sets = [(task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args)]
+    if args.add_to and args.full_context_adapter:
+        raise ValueError(
+            "--add-to keeps the baselines of its report; drop --full-context-adapter, or score it without --add-to."
+        )
+    results: list[dict] = []
+    if args.add_to:
+        results, sample_sets = _earlier_report(args.add_to, args)
+    else:
+        sample_sets = [(task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args)]
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     _refuse_baselines(
         {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
     )
     rules = [model.config.update for _, model, _ in loaded]
-    # Adapters are named by their update rule, and by the adapter too where two share a rule.
+    # Adapters are named by their update rule, and by the adapter too where two share a rule or join a report.
     models = {
-        f"ccm-{rule}" if rules.count(rule) == 1 else f"ccm-{rule}:{adapter}": model
+        f"ccm-{rule}" if rules.count(rule) == 1 and not args.add_to else f"ccm-{rule}:{adapter}": model
         for (adapter, model, _), rule in zip(loaded, rules, strict=True)
     }
+    scored = sorted(set(models) & {str(row["method"]) for row in results})
+    if scored:
+        raise ValueError(f"--add-to {args.add_to} already holds {scored}; add other adapters, or another copy's path.")
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
-    baselines = [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
+    baselines = (
+        [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
+    )
     if args.full_context_adapter:
         baselines.append(
             (FINETUNED, _load_full_context(args.full_context_adapter, args.model, reference), "full_context")
         )
-    results = []
-    for task, wordings, steps, samples, metric in sample_sets:
+    added = []
+
+    def no_context_scores(sample_set: SampleSet) -> list[tuple[float, int]]:
+        _, _, _, samples, metric = sample_set
+        score = score_samples(reference, tokenizer, samples, "no_context", metric, batch_size=args.batch_size)
+        return score.per_sample
+
+    for sample_set in sample_sets:
+        task, wordings, steps, samples, metric = sample_set
+        if args.add_to:
+            _check_same_samples(results, sample_set, no_context_scores, args.add_to)
+        digest = _samples_digest(samples)
         for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
             score = score_samples(model, tokenizer, samples, method, metric, batch_size=args.batch_size)
-            results.append({"task": task, "wordings": wordings, **score.to_dict(), "method": name})
+            added.append(
+                {"task": task, "wordings": wordings, **score.to_dict(), "method": name, "samples_digest": digest}
+            )
             print(
                 f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
                 f"[{score.low:.3f}, {score.high:.3f}]  context KV {score.context_kv_tokens:7.1f}  "
                 f"peak KV {score.peak_kv_bytes / 2**20:7.2f} MiB",
                 flush=True,
             )
+    results += added
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
@@ -666,6 +758,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a full-context fine-tuned adapter (conditional_lora=False): the paper's upper bound, scored with the "
         "whole history as plain prompt",
+    )
+    evaluate.add_argument(
+        "--add-to",
+        default=None,
+        metavar="DIR",
+        help="score only --adapters, on the tasks, time steps and samples of the earlier ccm eval report in DIR "
+        "(drawn again with --seed and checked), and write the joint report, its baselines and adapters kept, to "
+        "--output-dir",
     )
     evaluate.add_argument("--batch-size", type=int, default=16)
     evaluate.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import OnlineSample
+from transformers_ccm.data import OnlineSample, token_ids
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 
@@ -93,12 +93,6 @@ def kv_bytes_per_token(model: CCMForCausalLM) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * model.comp_embeddings.element_size()
 
 
-def _ids(tokenizer: PreTrainedTokenizerBase, text: object) -> list[int]:
-    if isinstance(text, str):
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return [int(t) for t in text]  # type: ignore[union-attr]
-
-
 def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
@@ -144,19 +138,20 @@ def score_samples(
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
     context_tokens, peak = 0, 0
-    histories = [[_ids(tokenizer, c) for c in s.contexts] for s in samples]
-    questions = [_ids(tokenizer, s.input) for s in samples]
+    histories = [[token_ids(c, tokenizer, "a context", empty_ok=True) for c in s.contexts] for s in samples]
+    questions = [token_ids(s.input, tokenizer, "an input", empty_ok=True) for s in samples]
     order = sorted(range(len(samples)), key=lambda i: sum(map(len, histories[i])) + len(questions[i]))
     for begin in range(0, len(samples), batch_size):
         indices = order[begin : begin + batch_size]
         batch = [samples[index] for index in indices]
         contexts = [histories[index] for index in indices]
         inputs = [questions[index] for index in indices]
+        outputs = [token_ids(s.output, tokenizer, "an output", empty_ok=True) for s in batch]
         if metric == "accuracy":
-            candidates = [[_ids(tokenizer, c) for c in s.choices or ()] for s in batch]
-            answers = [options.index(_ids(tokenizer, s.output)) for options, s in zip(candidates, batch, strict=True)]
+            candidates = [[token_ids(c, tokenizer, "a choice", empty_ok=True) for c in s.choices or ()] for s in batch]
+            answers = [options.index(output) for options, output in zip(candidates, outputs, strict=True)]
         else:
-            candidates = [[_ids(tokenizer, s.output)] for s in batch]
+            candidates = [[output] for output in outputs]
         cache = None
         if method == "ccm":
             cache = model.new_cache(len(batch))
