@@ -319,6 +319,19 @@ def _rewrite_weights(path, change):
     save_file(change(load_file(str(path))), str(path))
 
 
+def _nan_comp(tensors):
+    return {**tensors, "ccm.comp_embeddings": torch.full_like(tensors["ccm.comp_embeddings"], float("nan"))}
+
+
+def _integer_lora(tensors):
+    key = next(k for k in tensors if "lora_A" in k)
+    return {**tensors, key: tensors[key].long()}
+
+
+def _scalar_comp(tensors):
+    return {**tensors, "ccm.comp_embeddings": torch.tensor(1.0)}
+
+
 def _lower_rank(tensors):
     key = next(k for k in tensors if "lora_A" in k)
     return {**tensors, key: tensors[key][:-1]}
@@ -335,6 +348,26 @@ def _lower_rank(tensors):
         (lambda f: _rewrite_json(f / "adapter_config.json", use_dora=True), r"use_dora=True where False"),
         (lambda f: (f / "adapter_config.json").write_text("[]"), r"adapter_config\.json must hold a JSON object"),
         (lambda f: _rewrite_weights(f / "adapter_model.safetensors", _lower_rank), r"not of rank r=8"),
+        (
+            lambda f: _rewrite_weights(f / "adapter_model.safetensors", _nan_comp),
+            r"adapter_model\.safetensors holds tensors with values that are not finite \['ccm\.comp_embeddings'\]",
+        ),
+        (
+            lambda f: _rewrite_weights(f / "adapter_model.safetensors", _integer_lora),
+            r"holds tensors that are not floating point \['base_model\.model\..*lora_A\.weight'\]",
+        ),
+        (lambda f: (f / "ccm_config.json").write_bytes(b'{"r": "\xff"}'), r"ccm_config\.json is not valid JSON"),
+        (
+            lambda f: (f / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000),
+            r"adapter_config\.json is nested too deeply",
+        ),
+        (
+            lambda f: (
+                _rewrite_json(f / "ccm_config.json", base_model_shape=None),
+                _rewrite_weights(f / "adapter_model.safetensors", _scalar_comp),
+            ),
+            r"ccm\.comp_embeddings has shape \(\) where num_comp_tokens=2",
+        ),
     ],
 )
 def test_files_that_disagree_are_refused_before_any_model_is_built(tmp_path, base_folder, craft, named):

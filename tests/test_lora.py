@@ -1,5 +1,7 @@
 """The conditional LoRA: zero effect away from <COMP>, and only the adapter trains."""
 
+import re
+
 import pytest
 import torch
 
@@ -117,3 +119,15 @@ def test_reentrant_checkpointing_is_refused_for_lora_beside_attention():
         model.activation_checkpointing_enable({"use_reentrant": True})
     assert not model.base_model.is_activation_checkpointing
     CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()).activation_checkpointing_enable({"use_reentrant": True})
+
+
+@pytest.mark.parametrize(
+    ("targets", "named"), [(["embed_tokens"], "model.embed_tokens"), (["mlp"], "model.layers.0.mlp")]
+)
+def test_targets_that_are_not_linear_layers_are_refused_and_leave_the_base_as_it_was(targets, named):
+    """The gate restricts a LoRA on linear layers only; the base model given is not left half-wrapped."""
+    base = tiny_base("llama")
+    with pytest.raises(ValueError, match=rf"selects modules that are not linear layers \(\['{re.escape(named)}'"):
+        CCMForCausalLM.from_base(base, CCMConfig(target_modules=targets))
+    assert not lora_layers(base)
+    CCMForCausalLM.from_base(base, CCMConfig())  # still a plain base model

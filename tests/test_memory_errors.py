@@ -1,5 +1,6 @@
 """Persistence of a user's memory and the errors that protect it."""
 
+import copy
 import json
 import re
 
@@ -210,6 +211,18 @@ CRAFTED = {
         {"metadata": _header_edit(lambda h: h.update(streaming={"config": {"window": 3}}))},
         "streaming header is wrong",
     ),
+    "a format version that is no string": (
+        {"metadata": _header_edit(lambda h: h.update(format_version=2))},
+        "its format_version is 2, not a string such as '2'",
+    ),
+    "a header nested too deeply": (
+        {"metadata": lambda header: {MEMORY_FORMAT: "[" * 100_000 + "]" * 100_000}},
+        "its header is nested too deeply",
+    ),
+    "an average the model never writes": (
+        {"tensors": _with("layers.0.accumulated_keys", torch.zeros(2, 2, 4, 8))},
+        "unexpected tensors ['layers.0.accumulated_keys']",
+    ),
     "another adapter's signature": (
         {"metadata": _header_edit(lambda h: h["signature"].update(adapter_sha256="0" * 64))},
         "adapter_sha256",
@@ -224,6 +237,61 @@ def test_crafted_files_are_refused_with_a_value_error_that_names_the_problem(tmp
     _filled(model).save(path)
     edits, message = CRAFTED[case]
     _rewrite(path, **edits)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CompressedMemoryCache.load(path, model)
+
+
+def _bf16_merge_caches():
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = copy.deepcopy(tiny_ccm("llama", update="merge")).to(torch.bfloat16)
+    memory = _filled(model)
+    stream = model.new_cache(2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4))
+    model(input_ids=torch.tensor([list(range(3, 23))] * 2), past_key_values=stream)
+    return model, {"memory": memory, "stream": stream}
+
+
+@pytest.mark.parametrize("kind", ["memory", "stream"])
+def test_a_memory_that_is_not_its_float32_average_is_refused(tmp_path, kind):
+    """bf16 merge memory is saved with its float32 average, and `load` rebuilds the memory from that average: a
+    file whose memory says something else would be silently replaced, so it is refused."""
+    model, caches = _bf16_merge_caches()
+    path = tmp_path / "user.safetensors"
+    caches[kind].save(path)
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    start = 2 if kind == "stream" else 0  # the memory follows the sink
+
+    def edit(tensors):
+        keys = tensors["layers.1.keys"].clone()
+        keys[:, :, start] += 1
+        return {**tensors, "layers.1.keys": keys}
+
+    _rewrite(path, tensors=edit)
+    with pytest.raises(ValueError, match=r"'layers\.1\.keys' is not its float32 average 'layers\.1\.accumulated_keys'"):
+        CompressedMemoryCache.load(path, model)
+
+
+STREAM_HEADERS = {
+    "a cap that is no integer": ({"max_memory_tokens": 4.5}, "max_memory_tokens must be a positive integer, got 4.5"),
+    "a switch that is no bool": ({"compress": "no"}, "compress must be True or False, got 'no'"),
+    "a size that is a bool": ({"window_tokens": True}, "window_tokens must be a positive integer, got True"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAM_HEADERS))
+def test_streaming_headers_with_values_of_the_wrong_type_are_refused(tmp_path, case):
+    """Sizes that would pass a comparison but fail (or mean something else) in a later forward."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama")
+    cache = model.new_cache(
+        streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    )
+    model(input_ids=torch.tensor([list(range(3, 15))]), past_key_values=cache)
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    change, message = STREAM_HEADERS[case]
+    _rewrite(path, metadata=_header_edit(lambda h: h["streaming"]["config"].update(change)))
     with pytest.raises(ValueError, match=re.escape(message)):
         CompressedMemoryCache.load(path, model)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import StoppingCriteriaList
 
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
@@ -113,6 +114,46 @@ def test_gate_state_does_not_leak_into_other_threads():
     assert torch.equal(seen[0], plain)
 
 
+def test_a_cache_in_use_by_another_thread_is_refused_and_keeps_that_threads_work(tmp_path):
+    """Threads that wrongly share one cache: a call arriving while another thread runs one on it gets a clear
+    error and changes nothing, and the running call's result is kept (not overwritten by a failure's restore)."""
+    model = tiny_ccm("llama")
+    shared, alone = model.new_cache(), model.new_cache()
+    running, release = threading.Event(), threading.Event()
+
+    def slow_stopper(*_: object, **__: object) -> bool:
+        running.set()
+        release.wait(timeout=30)
+        return False
+
+    def generate(cache: CompressedMemoryCache, stopping: list) -> None:
+        model.generate(
+            torch.tensor([[20, 21]]),
+            past_key_values=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList(stopping),
+        )
+        model.compress(cache)
+
+    thread = threading.Thread(target=generate, args=(shared, [slow_stopper]))
+    thread.start()
+    assert running.wait(timeout=30)
+    calls = (
+        lambda: model.compress(shared, torch.tensor([[5, 6]])),
+        lambda: model.generate(torch.tensor([[7]]), past_key_values=shared, max_new_tokens=2),
+        lambda: model(input_ids=torch.tensor([[7]]), past_key_values=shared),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=r"in use by a call in another thread.*its own cache, or hold a lock"):
+            call()
+    release.set()
+    thread.join()
+    generate(alone, [])
+    assert _saved_bytes(shared, tmp_path / "shared.safetensors") == _saved_bytes(alone, tmp_path / "alone.safetensors")
+    generate(shared, [])  # free again once the other thread's call ended
+
+
 # ----- failures --------------------------------------------------------------------------------------------------
 def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     cache = model.new_cache(batch)
@@ -189,6 +230,66 @@ def test_out_of_vocabulary_ids_are_refused_before_anything_runs(tmp_path, bad):
     ):
         with pytest.raises(ValueError, match=rf"token id {bad}, outside the model's vocabulary \(0\.\.{VOCAB - 1}\)"):
             call()
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+BAD_INPUTS = {
+    "1-D input_ids to generate": (
+        lambda model, cache: model.generate(torch.tensor([20, 21]), past_key_values=cache, max_new_tokens=2),
+        r"input_ids must be 2-D \(batch, len\); add a batch dimension",
+    ),
+    "1-D input_ids to forward": (
+        lambda model, cache: model(input_ids=torch.tensor([20, 21]), past_key_values=cache),
+        r"input_ids must be 2-D",
+    ),
+    "an empty prompt": (
+        lambda model, cache: model.generate(torch.zeros(2, 0, dtype=torch.long), past_key_values=cache),
+        "input_ids holds no token",
+    ),
+    "a prompt mask of another shape": (
+        lambda model, cache: model.generate(
+            torch.tensor([[20, 21], [22, 23]]), attention_mask=torch.ones(2, 5), past_key_values=cache
+        ),
+        r"attention_mask has shape \(2, 5\) but input_ids \(2, 2\)",
+    ),
+    "embeddings of another width": (
+        lambda model, cache: model(inputs_embeds=torch.randn(2, 3, 16), past_key_values=cache),
+        r"inputs_embeds must be 3-D \(batch, len, 32\), got shape \(2, 3, 16\)",
+    ),
+    "embeddings of another dtype": (
+        lambda model, cache: model(inputs_embeds=torch.randn(2, 3, 32, dtype=torch.float64), past_key_values=cache),
+        "inputs_embeds has dtype torch.float64 but the model runs in torch.float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_inputs_of_the_wrong_shape_or_dtype_are_refused_before_anything_runs(tmp_path, case):
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    call, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        call(model, cache)
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+def test_labels_that_do_not_fit_a_streamed_input_leave_the_stream_as_it_was(tmp_path):
+    """The loss of an input run in pieces is part of the call: labels it cannot take fail it whole."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama")
+    cache = model.new_cache(
+        streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    )
+    model(input_ids=torch.tensor([list(range(3, 15))]), past_key_values=cache)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    with pytest.raises(ValueError):
+        model(
+            input_ids=torch.tensor([list(range(3, 30))]),
+            labels=torch.ones(1, 3, dtype=torch.long),
+            past_key_values=cache,
+        )
     assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 

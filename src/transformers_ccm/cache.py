@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
@@ -41,6 +42,8 @@ MEMORY_FORMAT = "transformers-ccm-memory"
 MEMORY_FORMAT_VERSION = "2"
 # Version 1 files hashed only the adapter parameters that required grad and did not identify the base weights.
 _LEGACY_FORMAT_VERSIONS = ("1",)
+# Taken to claim a cache for a call (see `CompressedMemoryCache.transaction`): a check and a claim, never a model run.
+_CLAIMS = threading.Lock()
 
 
 # ----- what a model tells its caches -------------------------------------------------------------------------
@@ -340,6 +343,8 @@ class CompressedMemoryCache(Cache):
         self.turn_tokens = 0
         # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
         self.compressed_in_window = 0
+        # The thread running calls on this cache and how deeply they nest (None: free); see `transaction`.
+        self._user: tuple[int, int] | None = None
 
     @property
     def config(self) -> CCMConfig:
@@ -448,18 +453,46 @@ class CompressedMemoryCache(Cache):
     def transaction(self) -> Iterator[None]:
         """Within the context, any exception (an interrupt included) restores the cache exactly as it was.
 
-        Cheap: the cache replaces tensors instead of changing them, so keeping references suffices.
+        Cheap: the cache replaces tensors instead of changing them, so keeping references suffices. The calling
+        thread holds the cache until the context ends (transactions nest within it); another thread that tries to
+        use it meanwhile gets a `ValueError` instead of interleaving its changes (or a failure's restore) with
+        these.
         """
-        saved = dict(self.__dict__), [dict(layer.__dict__) for layer in self.layers]
+        with self._claimed():
+            states = [self.__dict__, *(layer.__dict__ for layer in self.layers)]
+            saved = [dict(state) for state in states]
+            try:
+                yield
+            except BaseException:
+                for state, backup in zip(states, saved, strict=True):
+                    # Not cleared first: another thread's `check_free` must see the claim throughout.
+                    for name in state.keys() - backup.keys():
+                        del state[name]
+                    state.update(backup)
+                raise
+
+    @contextmanager
+    def _claimed(self) -> Iterator[None]:
+        """Hold the cache for the calling thread within the context (nested claims by that thread are fine)."""
+        me = threading.get_ident()
+        with _CLAIMS:
+            self.check_free()
+            depth = self._user[1] if self._user is not None else 0
+            self._user = me, depth + 1
         try:
             yield
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(saved[0])
-            for layer, state in zip(self.layers, saved[1], strict=True):
-                layer.__dict__.clear()
-                layer.__dict__.update(state)
-            raise
+        finally:
+            with _CLAIMS:
+                self._user = (me, depth) if depth else None
+
+    def check_free(self) -> None:
+        """Raise if another thread is running a call on this cache (a cache is one user's state)."""
+        user = self._user
+        if user is not None and user[0] != threading.get_ident():
+            raise ValueError(
+                "This CompressedMemoryCache is in use by a call in another thread. A cache holds one user's memory: "
+                "give each thread (or user) its own cache, or hold a lock per cache around its calls."
+            )
 
     # ----- the online forward ------------------------------------------------------------------------------------
     def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -749,6 +782,7 @@ class CompressedMemoryCache(Cache):
         they are shared until then)."""
         clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
         clone.__dict__.update(self.__dict__)
+        clone._user = None  # a new cache, free whoever holds this one
         clone.layers = []
         for layer in self.layers:
             twin = type(layer).__new__(type(layer))
@@ -864,6 +898,8 @@ class _MemoryFile:
         self.path, self.tensors, self.spec = path, tensors, spec
         header = self._header(metadata)
         version = header.get("format_version")
+        if not isinstance(version, str):  # a later version would still be a string: this file is damaged
+            raise self._fail(f"its format_version is {version!r}, not a string such as {MEMORY_FORMAT_VERSION!r}")
         if version not in (MEMORY_FORMAT_VERSION, *_LEGACY_FORMAT_VERSIONS):
             raise ValueError(
                 f"{path} has memory format version {version!r}; this transformers-ccm reads versions "
@@ -910,6 +946,8 @@ class _MemoryFile:
             value = json.loads(text)
         except json.JSONDecodeError as error:
             raise self._fail(f"its {what} is not JSON ({error})") from None
+        except RecursionError:  # nesting deeper than Python's recursion limit: no header of ours
+            raise self._fail(f"its {what} is nested too deeply") from None
         if not isinstance(value, dict):
             raise self._fail(f"its {what} is a {type(value).__name__}, not an object")
         return value
@@ -1014,15 +1052,31 @@ class _MemoryFile:
                 "keys": (spec.dtype, (batch, spec.kv_heads, length, spec.head_dim)),
                 "values": (spec.dtype, (batch, spec.kv_heads, length, spec.head_dim)),
             }
-            if f"layers.{index}.accumulated_keys" in self.tensors:
+            # `held` writes the float32 merge/EMA average only where it is not the memory itself.
+            averaged = spec.config.update != "concat" and spec.dtype != torch.float32
+            if averaged and f"layers.{index}.accumulated_keys" in self.tensors:
                 slots = (batch, spec.kv_heads, memory, spec.head_dim)
                 expected.update(accumulated_keys=(torch.float32, slots), accumulated_values=(torch.float32, slots))
             for name, (dtype, shape) in expected.items():
                 self._tensor(f"layers.{index}.{name}", dtype, shape)
                 known.add(f"layers.{index}.{name}")
+            if "accumulated_keys" in expected:
+                self._check_average(index)
         unknown = sorted(set(self.tensors) - known)
         if unknown:
             raise self._fail(f"it holds unexpected tensors {unknown[:4]}")
+
+    def _check_average(self, index: int) -> None:
+        """Raise unless layer `index`'s memory is the cast of its float32 average, as the model always leaves it:
+        `restore` rebuilds the memory from the average, so a memory that differs would be silently replaced."""
+        start = self.stream_state.get("sink_length", 0)
+        for part in ("keys", "values"):
+            average = self.tensors[f"layers.{index}.accumulated_{part}"]
+            memory = self.tensors[f"layers.{index}.{part}"][:, :, start : start + average.shape[2]]
+            if not torch.equal(memory, average.to(memory.dtype)):
+                raise self._fail(
+                    f"'layers.{index}.{part}' is not its float32 average 'layers.{index}.accumulated_{part}'"
+                )
 
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{index}."

@@ -134,8 +134,12 @@ class CCMConfig:
                 data = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON ({err}); the file is corrupt, save it again.") from None
+        except RecursionError:  # nesting deeper than Python's recursion limit: no config of ours
+            raise ValueError(
+                f"{path} is nested too deeply to be a CCM config; the file is corrupt, save it again."
+            ) from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
         return cls.from_dict(data)

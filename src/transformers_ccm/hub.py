@@ -169,12 +169,36 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
         peft_config = json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
         with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
             tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
-    except (json.JSONDecodeError, SafetensorError, OSError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, SafetensorError, OSError) as error:
         raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
+    except RecursionError:  # JSON nested deeper than Python's recursion limit: no adapter config
+        raise ValueError(
+            f"{folder / ADAPTER_CONFIG_NAME} is nested too deeply to be an adapter config; save or download it again."
+        ) from None
     if COMP_EMBEDDINGS_KEY not in tensors:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
+    _check_values(folder / ADAPTER_WEIGHTS_NAME, tensors)
     _check_files_agree(folder, config, peft_config, tensors)
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+def _check_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise unless every tensor holds finite floating-point values: weights are copied into the model as they
+    are, so an integer tensor would be cast silently and a NaN would turn every `<COMP>` run into NaN."""
+    not_float = sorted(key for key, value in tensors.items() if not value.is_floating_point())
+    not_finite = sorted(
+        key for key, value in tensors.items() if value.is_floating_point() and not bool(torch.isfinite(value).all())
+    )
+    problems = [
+        f"{label} {names[:2]}{' ...' if len(names) > 2 else ''}"
+        for label, names in (
+            ("tensors that are not floating point", not_float),
+            ("tensors with values that are not finite", not_finite),
+        )
+        if names
+    ]
+    if problems:
+        raise ValueError(f"{path} holds {'; '.join(problems)}; save or download the adapter again.")
 
 
 # What PEFT reads from adapter_config.json to compute the LoRA, with the value a CCM adapter holds (r and
@@ -194,7 +218,7 @@ def _check_files_agree(folder: Path, config: CCMConfig, peft_config: object, ten
         if peft_config.get(key, _PEFT_FIXED.get(key)) != value
     ]
     comp = tensors[COMP_EMBEDDINGS_KEY]
-    hidden = (config.base_model_shape or {}).get("hidden_size", comp.shape[-1])
+    hidden = (config.base_model_shape or {}).get("hidden_size", comp.shape[-1] if comp.ndim else None)
     if tuple(comp.shape) != (config.num_comp_tokens, hidden):
         problems.append(
             f"{COMP_EMBEDDINGS_KEY} has shape {tuple(comp.shape)} where num_comp_tokens={config.num_comp_tokens} "

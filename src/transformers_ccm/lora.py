@@ -66,6 +66,19 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
         # GPT-2 style Conv1D layers store their weight transposed.
         fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()),
     )
+    # PEFT would also wrap an embedding or a convolution, whose LoRA the gate cannot restrict to <COMP> positions;
+    # refused before anything is injected, so that the model given is left as it was.
+    unsupported = sorted(
+        name
+        for name, module in model.named_modules()
+        if check_target_module_exists(lora_config, name) and not isinstance(module, (torch.nn.Linear, Conv1D))
+    )
+    if unsupported:
+        raise ValueError(
+            f"CCMConfig.target_modules {config.target_modules} selects modules that are not linear layers "
+            f"({unsupported[:3]}{' ...' if len(unsupported) > 3 else ''}); name linear projections only, such as "
+            "'q_proj' or 'up_proj'."
+        )
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
 
 

@@ -336,6 +336,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_ids(context_ids, "context_ids")
         if attention_mask is None:
             return context_ids, torch.ones_like(context_ids, dtype=torch.bool)
+        attention_mask = torch.as_tensor(attention_mask)  # as context_ids: lists are fine, one row may omit the batch
+        attention_mask = attention_mask[None] if attention_mask.ndim == 1 else attention_mask
         if attention_mask.shape != context_ids.shape:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but context_ids {tuple(context_ids.shape)}; "
@@ -363,10 +365,14 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
         self._check_cache(cache)
-        cache.check_batch_size(input_ids.shape[0], "input_ids")
-        self._check_ids(input_ids, "input_ids")
+        self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        elif attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; give "
+                "one mask entry per prompt token (the memory needs none)."
+            )
         generation_config = kwargs.get("generation_config") or self.base_model.generation_config
         num_beams = kwargs.get("num_beams") or generation_config.num_beams or 1
         num_sequences = kwargs.get("num_return_sequences") or generation_config.num_return_sequences or 1
@@ -416,9 +422,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
         if tokens is None:
             raise ValueError("An online forward takes input_ids (or inputs_embeds).")
-        if input_ids is not None:
-            self._check_ids(input_ids, "input_ids")
-        cache.check_batch_size(tokens.shape[0], name)
+        self._check_tokens(tokens, name, cache)
         with cache.transaction(), self._gate.scope():
             step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
@@ -431,14 +435,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs).logits
                 for piece in tokens.split(step, dim=1)
             ]
-        every = torch.cat(logits, dim=1)
-        output = CausalLMOutputWithPast(
-            logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], **{CACHE_ARGUMENT: cache}
-        )
-        if labels is not None:
-            output.loss = self.base_model.loss_function(
-                logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
+            every = torch.cat(logits, dim=1)
+            output = CausalLMOutputWithPast(
+                logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], **{CACHE_ARGUMENT: cache}
             )
+            # Inside the transaction: labels that do not fit the logits fail the call, which leaves the cache as it was.
+            if labels is not None:
+                output.loss = self.base_model.loss_function(
+                    logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
+                )
         return output
 
     def _online_inputs(
@@ -542,9 +547,32 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         return cached[1]
 
     def _check_cache(self, cache: CompressedMemoryCache) -> None:
-        """Raise unless `cache` was made by this model, with these weights, and lives on its device."""
+        """Raise unless `cache` is free (no other thread runs a call on it), was made by this model, with these
+        weights, and lives on its device."""
+        cache.check_free()
         cache.check_signature(self.memory_signature())
         cache.check_device(self.device)
+
+    def _check_tokens(self, tokens: torch.Tensor, name: str, cache: CompressedMemoryCache) -> None:
+        """Raise unless `tokens` (`name`: "input_ids" or "inputs_embeds") are `(batch, len)` token ids of this
+        model's vocabulary or `(batch, len, hidden)` embeddings in its dtype, one row per cache row and at least
+        one token: checked before anything runs, so that a bad input never reaches torch with the cache half
+        changed."""
+        if name == "input_ids":
+            self._check_ids(tokens, name)
+            shape = "2-D (batch, len); add a batch dimension with input_ids[None]"
+            fits = tokens.ndim == 2
+        else:
+            hidden = self.base_model.get_input_embeddings().weight.shape[-1]
+            shape = f"3-D (batch, len, {hidden})"
+            fits = tokens.ndim == 3 and tokens.shape[-1] == hidden
+            if fits and tokens.dtype != self.dtype:
+                raise ValueError(f"inputs_embeds has dtype {tokens.dtype} but the model runs in {self.dtype}; cast it.")
+        if not fits:
+            raise ValueError(f"{name} must be {shape}, got shape {tuple(tokens.shape)}.")
+        if tokens.shape[1] == 0:
+            raise ValueError(f"{name} holds no token; pass at least one.")
+        cache.check_batch_size(tokens.shape[0], name)
 
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         """Raise if `ids` are not integer token ids of this model's vocabulary (checked before anything runs)."""

@@ -65,12 +65,17 @@ class StreamingConfig:
 
     def validate(self, ccm_config: CCMConfig, max_positions: int | None) -> None:
         """Raise a ValueError naming the setting to change if these sizes cannot work."""
-        for name in ("window_tokens", "compress_chunk"):
+        # Types too: these sizes may come from a memory file's header, and a float or a bool would only fail (or
+        # mean something else) later, inside a forward.
+        for name in ("window_tokens", "compress_chunk", "max_memory_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"StreamingConfig.{name} must be a positive integer, got {value!r}.")
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"StreamingConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}.")
+        for name in ("compress", "keep_window_full"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StreamingConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         n = ccm_config.num_comp_tokens
         if self.compress and self.window_tokens < self.compress_chunk:
             raise ValueError(
@@ -90,6 +95,10 @@ class StreamingConfig:
                 f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
                 f"exceeds the model's maximum of {max_positions} positions; lower window_tokens."
             )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
