@@ -252,6 +252,14 @@ BAD_INPUTS = {
         ),
         r"attention_mask has shape \(2, 5\) but input_ids \(2, 2\)",
     ),
+    "text as context_ids": (
+        lambda model, cache: model.compress(cache, "my name is Ada"),
+        r"context_ids must be token ids .* got str: tokenize text",
+    ),
+    "context rows of different lengths": (
+        lambda model, cache: model.compress(cache, [[20, 21, 22], [23]]),
+        r"context_ids must be token ids .* pad rows of different lengths",
+    ),
     "embeddings of another width": (
         lambda model, cache: model(inputs_embeds=torch.randn(2, 3, 16), past_key_values=cache),
         r"inputs_embeds must be 3-D \(batch, len, 32\), got shape \(2, 3, 16\)",

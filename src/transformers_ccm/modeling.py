@@ -326,7 +326,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if context_ids is None:
             empty = torch.zeros(cache.batch_size, 0, dtype=torch.long)
             return empty, empty.bool()
-        context_ids = torch.as_tensor(context_ids)
+        try:
+            if isinstance(context_ids, str):
+                raise TypeError("text")
+            context_ids = torch.as_tensor(context_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"context_ids must be token ids (a tensor, or a list of ints or of equal-length lists of ints), got "
+                f"{type(context_ids).__name__}: tokenize text with tokenizer(text, add_special_tokens=False), and pad "
+                "rows of different lengths, marking the padding in attention_mask."
+            ) from None
         context_ids = context_ids[None] if context_ids.ndim == 1 else context_ids
         if context_ids.ndim != 2:
             raise ValueError(f"context_ids must be 1-D or 2-D (batch, len), got shape {tuple(context_ids.shape)}.")
