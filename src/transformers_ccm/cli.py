@@ -387,7 +387,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     }
     scored = sorted(set(models) & {str(row["method"]) for row in results})
     if scored:
-        raise ValueError(f"--add-to {args.add_to} already holds {scored}; add other adapters, or another copy's path.")
+        raise ValueError(
+            f"--add-to {args.add_to} already holds {scored}; their scores are there (a copy under another path "
+            "scores anew)."
+        )
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
     baselines = (
