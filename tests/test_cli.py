@@ -364,6 +364,8 @@ def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path
         (["--add-to", str(tmp_path / "missing")], "no eval.json there"),
         (["--add-to", str(tmp_path / "crafted")], "is not a ccm eval report"),
         (["--add-to", str(tmp_path / "first"), "--full-context-adapter", adapter], "drop --full-context-adapter"),
+        (["--add-to", str(tmp_path / "first"), "--samples", "3", "--steps", "1"], "drop --steps --samples"),
+        (["--add-to", str(tmp_path / "first"), "--tasks", "icl"], "drop --tasks"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main([*report, *extra])

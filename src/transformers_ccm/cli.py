@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 # Commands import torch and transformers inside their handlers, so that `ccm --help` answers at once.
 
+_EVAL_TASKS = ["icl", "personalization", "dialogue"]
+_EVAL_SAMPLES = 200
+
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -370,10 +373,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise ValueError(
             "--add-to keeps the baselines of its report; drop --full-context-adapter, or score it without --add-to."
         )
+    drawing = [f"--{name}" for name in ("tasks", "steps", "samples") if getattr(args, name) is not None]
+    if args.add_to and drawing:
+        raise ValueError(
+            f"--add-to scores the tasks, time steps and samples of its report; drop {' '.join(drawing)}, or score "
+            "them without --add-to."
+        )
     results: list[dict] = []
     if args.add_to:
         results, sample_sets = _earlier_report(args.add_to, args)
     else:
+        defaults = {"tasks": _EVAL_TASKS, "samples": _EVAL_SAMPLES}
+        args = argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
         sample_sets = [(task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args)]
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     _refuse_baselines(
@@ -746,15 +757,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--tasks",
         nargs="+",
-        default=["icl", "personalization", "dialogue"],
-        help="also: chat (long replies), document (general text), people (who is who among several people), grouping "
-        "(ICL in open forms), or JSONL files of your own samples",
+        default=None,
+        help=f"default: {' '.join(_EVAL_TASKS)}; also: chat (long replies), document (general text), people (who is "
+        "who among several people), grouping (ICL in open forms), or JSONL files of your own samples",
     )
     evaluate.add_argument(
         "--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's; a file: all it has)"
     )
     evaluate.add_argument(
-        "--samples", type=int, default=200, help="held-out samples per task, wording set (seen, unseen) and time step"
+        "--samples",
+        type=int,
+        default=None,
+        help=f"held-out samples per task, wording set (seen, unseen) and time step (default: {_EVAL_SAMPLES})",
     )
     evaluate.add_argument(
         "--full-context-adapter",
