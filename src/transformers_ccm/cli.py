@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from transformers_ccm.config import CCMConfig
+from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text tasks: tokens per compressed chunk, as `ccm stream-eval --compress-chunk` will stream them",
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
-    train.add_argument("--update", choices=["concat", "merge", "ema"], default="concat")
+    train.add_argument("--update", choices=UPDATE_RULES, default="concat")
     train.add_argument(
         "--num-comp-tokens",
         type=int,
