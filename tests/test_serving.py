@@ -154,6 +154,48 @@ def test_a_cache_in_use_by_another_thread_is_refused_and_keeps_that_threads_work
     generate(shared, [])  # free again once the other thread's call ended
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_saving_a_cache_while_another_thread_runs_a_call_on_it_is_refused(tmp_path, streaming):
+    """A save in the middle of another thread's call would read layers half updated (for a stream: a file that
+    does not load back); it is refused with the fix, the file already there is kept, and it works once free."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama")
+    config = StreamingConfig(window_tokens=12, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+    cache = model.new_cache(streaming=config if streaming else None)
+
+    def feed(ids: torch.Tensor) -> None:
+        if streaming:
+            model(input_ids=ids, past_key_values=cache)
+        else:
+            model.compress(cache, ids)
+
+    feed(torch.tensor([[3, 4, 5, 6, 7, 8]]))
+    path = tmp_path / "memory.safetensors"
+    before = _saved_bytes(cache, path)
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(*_: object) -> None:
+        inside.set()
+        release.wait(timeout=30)
+
+    handle = model.base_model.model.layers[1].register_forward_pre_hook(pause)
+    thread = threading.Thread(target=feed, args=(torch.tensor([[10, 11, 12]]),))
+    try:
+        thread.start()
+        assert inside.wait(timeout=30)
+        with pytest.raises(ValueError, match="in use by a call in another thread"):
+            cache.save(path)
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    assert path.read_bytes() == before
+    cache.save(path)
+    loaded = CompressedMemoryCache.load(path, model)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, cache.layers, strict=True))
+
+
 # ----- failures --------------------------------------------------------------------------------------------------
 def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     cache = model.new_cache(batch)

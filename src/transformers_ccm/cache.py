@@ -823,7 +823,13 @@ class CompressedMemoryCache(Cache):
 
     # ----- persistence -------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the memory to a safetensors file whose header identifies the model and adapter."""
+        """Write the memory to a safetensors file whose header identifies the model and adapter.
+
+        Refused while another thread runs a call on the cache: its layers would be read half updated."""
+        with self._claimed():
+            self._save(path)
+
+    def _save(self, path: str | os.PathLike[str]) -> None:
         if self.has_unfolded_turn:
             raise ValueError(
                 "The cache holds an unfolded turn; call model.compress(cache) to fold it into memory before "
