@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ccm_reference import reference_logits
-from tiny_models import tiny_ccm
+from tiny_models import VOCAB, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, OnlineSample
 from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.masks import sample_layout
@@ -50,6 +50,24 @@ def test_strings_are_tokenized():
 def test_empty_context_or_input(sample, where):
     with pytest.raises(ValueError, match=where):
         CCMDataCollator(CONFIG)([sample])
+
+
+@pytest.mark.parametrize(
+    ("sample", "where", "problem"),
+    [
+        (OnlineSample([[5.7, 6]], [8], [9]), r"samples\[0\].contexts\[0\]", "must hold integer token ids"),
+        (OnlineSample([[5]], torch.tensor([8.0]), [9]), r"samples\[0\].input", "must hold integer token ids"),
+        (OnlineSample([[5]], [8], [True]), r"samples\[0\].output", "must hold integer token ids"),
+        (OnlineSample([[5, -1]], [8], [9]), r"samples\[0\].contexts\[0\]", r"token id -1, outside"),
+        (OnlineSample([[5]], [8], [VOCAB]), r"samples\[0\].output", rf"token id {VOCAB}, outside .*0\.\.{VOCAB - 1}"),
+    ],
+)
+def test_ids_that_are_no_token_of_the_model_are_refused_naming_the_sample(sample, where, problem):
+    """Floats used to be truncated (silently another token) and ids outside the vocabulary failed in the forward
+    with torch's IndexError."""
+    model = tiny_ccm("llama")
+    with pytest.raises(ValueError, match=f"{where} .*{problem}"):
+        CCMDataCollator(model)([sample])
 
 
 def test_empty_batch():

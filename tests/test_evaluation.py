@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tiny_models import randomize_adapter, tiny_llama_for
-from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
     FINETUNED,
@@ -165,6 +165,19 @@ def test_samples_with_different_numbers_of_choices_score_as_they_do_alone(ccm, t
         together = score_samples(ccm, tokenizer, samples, method, "accuracy", batch_size=8).per_sample
         alone = score_samples(ccm, tokenizer, samples, method, "accuracy", batch_size=1).per_sample
         assert together == alone
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_ids_outside_the_vocabulary_are_refused_naming_the_sample(ccm, tokenizer, method):
+    """A JSONL file of ids for another tokenizer: the plain-prompt methods failed with torch's IndexError."""
+    vocabulary = ccm.vocabulary_size
+    good = OnlineSample([[5, 6]], [7], [8], choices=[[8], [9]])
+    for bad, where in (
+        (OnlineSample([[5, vocabulary]], [7], [8], choices=[[8], [9]]), r"samples\[1\].contexts\[0\]"),
+        (OnlineSample([[5, 6]], [7], [8], choices=[[8], [vocabulary]]), r"samples\[1\].output or choices"),
+    ):
+        with pytest.raises(ValueError, match=rf"{where} holds the token id {vocabulary}, outside"):
+            score_samples(ccm, tokenizer, [good, bad], method, "accuracy")
 
 
 def test_full_context_reads_plain_text_with_the_adapter_only_when_unconditional(tokenizer):

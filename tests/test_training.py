@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiny_models import confident_tiny_llama, randomize_adapter, tiny_base, tiny_full_context_baseline
+from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.training import SimilarLengthSampler, TrainingRecipe, train
 
@@ -105,6 +105,23 @@ def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_w
     with pytest.raises(ValueError, match=message):
         train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path / "out", recipe, teacher=teacher)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("group_by_length", [True, False])
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_train_refuses_an_id_outside_the_vocabulary_before_the_first_step(tmp_path, group_by_length, where):
+    """A JSONL file of ids for another tokenizer failed with torch's IndexError at the batch that held it (or at the
+    first evaluation); every sample is now read before training starts."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    before = model.comp_embeddings.detach().clone()
+    samples = [recall_sample(random.Random(seed)) for seed in range(8)]
+    bad = [*samples[:7], OnlineSample([[5, 6]], [7], [VOCAB + 3])]
+    train_samples, eval_samples = (bad, None) if where == "train" else (samples, bad)
+    recipe = TrainingRecipe(steps=2, batch_size=2, eval_every=1, save_every=1, group_by_length=group_by_length)
+    with pytest.raises(ValueError, match=rf"samples\[7\].output holds the token id {VOCAB + 3}, outside"):
+        train(model, None, train_samples, eval_samples, tmp_path / "out", recipe)
+    assert torch.equal(before, model.comp_embeddings)
+    assert not list(tmp_path.glob("out/checkpoint-*"))
 
 
 def test_train_draws_length_grouped_batches_the_same_on_every_run(tmp_path):

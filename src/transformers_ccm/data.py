@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -29,17 +30,34 @@ class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
-def token_ids(tokens: Tokens, tokenizer: Tokenizer | None, where: str, empty_ok: bool = False) -> list[int]:
+def token_ids(
+    tokens: Tokens, tokenizer: Tokenizer | None, where: str, empty_ok: bool = False, vocabulary: int | None = None
+) -> list[int]:
     """`tokens` as a list of ids (strings through `tokenizer`, without special tokens); `where` names them in
-    errors."""
+    errors. With `vocabulary` (the model's number of embeddings), ids must be below it."""
     if isinstance(tokens, str):
         if tokenizer is None:
             raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
         ids = list(tokenizer(tokens, add_special_tokens=False)["input_ids"])
-    elif isinstance(tokens, torch.Tensor):
-        ids = tokens.reshape(-1).tolist()
     else:
-        ids = [int(token) for token in tokens]
+        # Checked, not cast: int(5.7) would silently train on another token, and -1 or an id past the vocabulary
+        # would fail inside the embedding with torch's IndexError.
+        if isinstance(tokens, torch.Tensor):
+            integral = not tokens.is_floating_point() and not tokens.is_complex() and tokens.dtype != torch.bool
+            ids = tokens.reshape(-1).tolist()
+        else:
+            ids = list(tokens)
+            integral = all(isinstance(token, Integral) and not isinstance(token, bool) for token in ids)
+        if not integral:
+            raise ValueError(f"{where} must hold integer token ids (or be a string), got {tokens!r:.80}.")
+        ids = [int(token) for token in ids]
+        wrong = [token for token in ids if token < 0 or (vocabulary is not None and token >= vocabulary)]
+        if wrong:
+            limit = f"0..{vocabulary - 1}" if vocabulary is not None else "ids >= 0"
+            raise ValueError(
+                f"{where} holds the token id {wrong[0]}, outside the model's vocabulary ({limit}); tokenize with "
+                "this model's tokenizer."
+            )
     if not ids and not empty_ok:
         raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
     return ids
@@ -102,6 +120,8 @@ class CCMDataCollator:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
         self.config = model if isinstance(model, CCMConfig) else model.config
+        # Known from a model: ids outside its vocabulary are refused when a sample is read, naming the sample.
+        self.vocabulary: int | None = getattr(model, "vocabulary_size", None)
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.supervision = supervision
@@ -165,15 +185,18 @@ class CCMDataCollator:
 
     def _token_lists(self, index: int, sample: OnlineSample) -> tuple[list[list[int]], list[int], list[int]]:
         """The token ids of the sample's contexts, input and output (none without an output)."""
+        vocabulary = self.vocabulary
         contexts = [
-            token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]")
+            token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]", vocabulary=vocabulary)
             for j, context in enumerate(sample.contexts)
         ]
-        inputs = token_ids(sample.input, self.tokenizer, f"samples[{index}].input")
+        inputs = token_ids(sample.input, self.tokenizer, f"samples[{index}].input", vocabulary=vocabulary)
         outputs = (
             []
             if sample.output is None
-            else token_ids(sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True)
+            else token_ids(
+                sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True, vocabulary=vocabulary
+            )
         )
         return contexts, inputs, outputs
 

@@ -138,8 +138,18 @@ def score_samples(
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
     context_tokens, peak = 0, 0
-    histories = [[token_ids(c, tokenizer, "a context", empty_ok=True) for c in s.contexts] for s in samples]
-    questions = [token_ids(s.input, tokenizer, "an input", empty_ok=True) for s in samples]
+    # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
+    # compress and the online forward).
+    vocabulary = model.vocabulary_size
+    histories = [
+        [token_ids(c, tokenizer, f"samples[{i}].contexts[{j}]", True, vocabulary) for j, c in enumerate(s.contexts)]
+        for i, s in enumerate(samples)
+    ]
+    questions = [token_ids(s.input, tokenizer, f"samples[{i}].input", True, vocabulary) for i, s in enumerate(samples)]
+    for i, sample in enumerate(samples):
+        for tokens in (sample.output, *(sample.choices or ())):
+            if tokens is not None:
+                token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary)
     order = sorted(range(len(samples)), key=lambda i: sum(map(len, histories[i])) + len(questions[i]))
     for begin in range(0, len(samples), batch_size):
         indices = order[begin : begin + batch_size]

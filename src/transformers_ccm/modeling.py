@@ -117,6 +117,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def dtype(self) -> torch.dtype:
         return self.base_model.dtype
 
+    @property
+    def vocabulary_size(self) -> int:
+        """Rows of the input embedding: token ids must lie in `0..vocabulary_size - 1`."""
+        return self.base_model.get_input_embeddings().num_embeddings
+
     def embed(self, input_ids: torch.Tensor, comp_mask: torch.Tensor) -> torch.Tensor:
         """`(batch, seq, hidden)` input embeddings; `<COMP>` positions take `comp_embeddings` (ids ignored)."""
         ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
@@ -587,7 +592,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Raise if `ids` are not integer token ids of this model's vocabulary (checked before anything runs)."""
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}.")
-        vocabulary = self.base_model.get_input_embeddings().num_embeddings
+        vocabulary = self.vocabulary_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise ValueError(

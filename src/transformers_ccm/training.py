@@ -263,10 +263,16 @@ def train(
     )
     sample_lengths = None
     if isinstance(collator, CCMDataCollator):
-        # Tokenized once here rather than at every batch; the lengths come from the same ids.
+        # Tokenized once here rather than at every batch; the lengths come from the same ids. Reading every sample
+        # now also refuses a bad one (an id outside the vocabulary) before the first step, not hours into training.
         train_samples = collator.tokenized(train_samples)
+        lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+        if eval_samples:
+            eval_samples = collator.tokenized(eval_samples)
+            for index, sample in enumerate(eval_samples):
+                collator.sequence_length(sample, index)
         if recipe.group_by_length:
-            sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+            sample_lengths = lengths
     trainer = CCMTrainer(
         model=model,
         args=args,
