@@ -373,6 +373,35 @@ def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path
     assert not (tmp_path / "x").exists()
 
 
+def _report_rows(**changes: object) -> list[dict]:
+    """Rows of a one-sample-set `ccm eval` report (icl, seen, t=2, 3 samples), with `changes` in every row."""
+    row = dict(task="icl", wordings="seen", steps=2, samples=3, metric="accuracy", value=0.5, low=0.1, high=0.9)
+    row |= dict(context_kv_tokens=40.0, peak_kv_tokens=60, peak_kv_bytes=600, per_sample=[[1.0, 1]] * 3)
+    return [{**row, "method": method, **changes} for method in ("no_context", "full_context", "ccm-concat")]
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"samples": 50}, "samples is 50 but it holds 3 per-sample values"),
+        ({"samples": -1}, "must be integers >= 1"),
+        ({"steps": 0}, "must be integers >= 1"),
+        ({"steps": 400}, "400 contexts per sample, 40.0 full-context tokens"),
+        ({"context_kv_tokens": 0}, "ZeroDivisionError"),
+    ],
+)
+def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, capsys, changes, problem):
+    """A report's counts are checked against what it holds: a count of a billion samples (or a million contexts)
+    used to be drawn as it said, and a zero full-context size raised ZeroDivisionError."""
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": _report_rows(**changes)}))
+    arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--add-to", str(tmp_path / "report")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
+
+
 def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     train(tiny_model, tmp_path / "full", 2, "--method", "full-context", "--supervision", "dense")
     config = json.loads((tmp_path / "full" / "ccm_config.json").read_text())

@@ -304,10 +304,15 @@ def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], 
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))["results"]
         summarize(rows)  # reads every field the joint report needs
+        held = {
+            (r["task"], r["wordings"], r["steps"]): r["context_kv_tokens"]
+            for r in rows
+            if r["method"] == "full_context"
+        }
         drawn = [
-            (r["task"], r["wordings"], int(r["steps"]), int(r["samples"])) for r in rows if r["method"] == "no_context"
+            _drawn(r, held.get((r["task"], r["wordings"], r["steps"]))) for r in rows if r["method"] == "no_context"
         ]
-    except (ValueError, KeyError, TypeError, IndexError) as error:
+    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as error:
         raise ValueError(f"--add-to {folder}: {path} is not a ccm eval report ({error!r}).") from None
     if not drawn:
         raise ValueError(f"--add-to {folder}: {path} holds no scored samples; run ccm eval without --add-to.")
@@ -316,6 +321,21 @@ def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], 
         again = argparse.Namespace(samples=count, seed=args.seed, steps=[steps])
         sample_sets += [(task, *found) for found in _evaluation_sets(task, again) if found[0] == wordings]
     return rows, sample_sets
+
+
+def _drawn(row: dict, context_tokens: float | None) -> tuple[str, str, int, int]:
+    """(task, wording set, time step, count) of a report's no-context row, whose full-context row held
+    `context_tokens` per sample. The count must be that of its per-sample values, and the time step at least 1 and
+    at most those tokens (every context has one), so that a damaged report cannot have samples drawn by the
+    billion, or with a million contexts each."""
+    steps, count, values = row["steps"], row["samples"], row["per_sample"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (steps, count)):
+        raise ValueError(f"{row['task']} row: steps {steps!r} and samples {count!r} must be integers >= 1")
+    if not isinstance(values, list) or count != len(values):
+        raise ValueError(f"{row['task']} row: samples is {count} but it holds {len(values)} per-sample values")
+    if context_tokens is None or steps > context_tokens:
+        raise ValueError(f"{row['task']} row: {steps} contexts per sample, {context_tokens} full-context tokens")
+    return row["task"], row["wordings"], steps, count
 
 
 def _samples_digest(samples: list[OnlineSample]) -> str:
