@@ -324,6 +324,48 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_refused_before_anything_runs(tmp
     assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 
+BAD_TYPES = {
+    "a list as input_ids to generate": (
+        lambda model, cache: model.generate([[20, 21], [22, 23]], past_key_values=cache, max_new_tokens=2),
+        r"input_ids must be a torch.Tensor, got list; wrap token ids with torch.tensor",
+    ),
+    "a list as input_ids to forward": (
+        lambda model, cache: model(input_ids=[[20, 21], [22, 23]], past_key_values=cache),
+        r"input_ids must be a torch.Tensor, got list",
+    ),
+    "no cache to compress": (
+        lambda model, cache: model.compress(None, torch.tensor([[5, 6], [7, 8]])),
+        r"must be a CompressedMemoryCache \(model.new_cache\(\)\), got NoneType",
+    ),
+    "a streaming config as a dict": (
+        lambda model, cache: model.new_cache(2, streaming={"window_tokens": 12}),
+        "streaming must be a StreamingConfig",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TYPES))
+def test_arguments_of_the_wrong_type_get_a_type_error_that_says_what_to_pass(tmp_path, case):
+    """They failed with an AttributeError ('list' object has no attribute 'is_floating_point')."""
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    call, message = BAD_TYPES[case]
+    with pytest.raises(TypeError, match=message):
+        call(model, cache)
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+def test_generate_takes_a_prompt_mask_given_as_a_list():
+    model = tiny_ccm("llama")
+    prompt, mask = torch.tensor([[0, 20, 21], [22, 23, 24]]), [[0, 1, 1], [1, 1, 1]]
+    outputs = [
+        model.generate(prompt, attention_mask=given, past_key_values=_filled(model), max_new_tokens=3, do_sample=False)
+        for given in (mask, torch.tensor(mask))
+    ]
+    assert torch.equal(*outputs)
+
+
 def test_labels_that_do_not_fit_a_streamed_input_leave_the_stream_as_it_was(tmp_path):
     """The loss of an input run in pieces is part of the call: labels it cannot take fail it whole."""
     from transformers_ccm.streaming import StreamingConfig

@@ -322,6 +322,8 @@ class CompressedMemoryCache(Cache):
     def __init__(self, spec: CacheSpec, batch_size: int, streaming: StreamingConfig | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if streaming is not None and not isinstance(streaming, StreamingConfig):
+            raise TypeError(f"streaming must be a StreamingConfig (or None), got {type(streaming).__name__}.")
         if streaming is not None:
             if spec.rotation is None:
                 raise TypeError(

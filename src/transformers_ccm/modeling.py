@@ -375,6 +375,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         fails, the cache is left as it was.
         """
         given = _given_cache(past_key_values, kwargs)
+        _check_tensor(input_ids, "input_ids")
         cache = given if given is not None else self.new_cache(input_ids.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
@@ -382,7 +383,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        elif attention_mask.shape != input_ids.shape:
+        else:  # as compress: a list is fine
+            attention_mask = torch.as_tensor(attention_mask, device=input_ids.device)
+        if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; give "
                 "one mask entry per prompt token (the memory needs none)."
@@ -563,6 +566,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def _check_cache(self, cache: CompressedMemoryCache) -> None:
         """Raise unless `cache` is free (no other thread runs a call on it), was made by this model, with these
         weights, and lives on its device."""
+        if not isinstance(cache, CompressedMemoryCache):
+            raise TypeError(
+                f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}."
+            )
         cache.check_free()
         cache.check_signature(self.memory_signature())
         cache.check_device(self.device)
@@ -572,6 +579,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         model's vocabulary or `(batch, len, hidden)` embeddings in its dtype, one row per cache row and at least
         one token: checked before anything runs, so that a bad input never reaches torch with the cache half
         changed."""
+        _check_tensor(tokens, name)
         if name == "input_ids":
             self._check_ids(tokens, name)
             shape = "2-D (batch, len); add a batch dimension with input_ids[None]"
@@ -660,6 +668,14 @@ def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> to
     mean, std = embedded.mean(dim=0), embedded.std(dim=0)
     noise = torch.randn(num_comp_tokens, mean.shape[-1], device=mean.device) * 0.1 * std
     return (mean + noise).to(embedding.weight.dtype)
+
+
+def _check_tensor(tokens: Any, name: str) -> None:
+    """Raise unless `tokens` is a tensor: a list would fail deep inside with an `AttributeError`."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(tokens).__name__}; wrap token ids with torch.tensor([ids])."
+        )
 
 
 def passed_cache(kwargs: dict[str, Any]) -> Any:
