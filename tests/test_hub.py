@@ -399,6 +399,33 @@ def test_weights_that_do_not_fit_change_nothing(tmp_path):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
+def _beyond_float32(tensors):
+    key = next(k for k in tensors if "lora_B" in k)
+    too_large = tensors[key].double()
+    too_large[0, 0] = 1e39  # finite in float64, inf in float32
+    return {**tensors, key: too_large}
+
+
+def test_weights_beyond_the_models_range_change_nothing(tmp_path):
+    """A value that is finite in the file but not in the model's dtype would be loaded as inf."""
+    _adapter(None).save_pretrained(tmp_path / "adapter")
+    _rewrite_weights(tmp_path / "adapter" / "adapter_model.safetensors", _beyond_float32)
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"values beyond the range of torch\.float32: \['.*lora_B"):
+        target.load_adapter(tmp_path / "adapter")
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    # Within float32 but not float16: refused for a half-precision model, loaded by a full-precision one.
+    _adapter(None).save_pretrained(tmp_path / "large")
+    _rewrite_weights(
+        tmp_path / "large" / "adapter_model.safetensors",
+        lambda tensors: {**tensors, "ccm.comp_embeddings": torch.full_like(tensors["ccm.comp_embeddings"], 1e5)},
+    )
+    _adapter(None, seed=9).load_adapter(tmp_path / "large")
+    with pytest.raises(ValueError, match=r"beyond the range of torch\.float16: \['ccm\.comp_embeddings'\]"):
+        _adapter(None, seed=9).to(torch.float16).load_adapter(tmp_path / "large")
+
+
 @pytest.mark.parametrize(
     "name", ["ccm:../..", "ccm:../adapters/smollm2-concat", "ccm:/etc", "ccm:", "ccm:smollm2-concat/"]
 )

@@ -177,10 +177,18 @@ class AdapterHubMixin:
         missing = sorted(expected.keys() - tensors.keys() - added)
         unexpected = sorted(tensors.keys() - (expected.keys() - added))
         wrong = sorted(k for k in expected.keys() & tensors.keys() if tensors[k].shape != expected[k].shape)
-        if missing or unexpected or wrong:
+        # Finite in the file's dtype is not enough: a float64 (or float32 into float16) value past the model's
+        # range would be copied in as inf.
+        overflow = sorted(
+            k
+            for k in expected.keys() & tensors.keys()
+            if k not in wrong and not bool(torch.isfinite(tensors[k].to(expected[k].dtype)).all())
+        )
+        if missing or unexpected or wrong or overflow:
+            labels = ("missing", "unexpected", "wrong shape", f"values beyond the range of {self.dtype}")
             problems = [
                 f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
-                for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                for label, names in zip(labels, (missing, unexpected, wrong, overflow), strict=True)
                 if names
             ]
             raise ValueError(f"The adapter weights in {source} do not fit this model ({'; '.join(problems)}).")
