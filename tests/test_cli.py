@@ -402,6 +402,33 @@ def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, c
     assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
 
 
+def test_a_report_written_into_its_own_add_to_folder_survives_a_failed_write(
+    tiny_model, adapter, tmp_path, monkeypatch, capsys
+):
+    """Each file of a report is replaced in one step: a disk that fills up midway keeps the earlier report."""
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
+    report = tmp_path / "report"
+    scoring = ["eval", "--model", tiny_model, "--output-dir", str(report), "--adapters"]
+    main([*scoring, adapter, "--tasks", "icl", "--steps", "1", "--samples", "2"])
+    before = {path.name: path.read_bytes() for path in report.iterdir()}
+    write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        main([*scoring, str(copy), "--add-to", str(report)])
+    assert {path.name: path.read_bytes() for path in report.iterdir()} == before
+    monkeypatch.undo()
+    main([*scoring, str(copy), "--add-to", str(report)])
+    methods = {row["method"] for row in json.loads((report / "eval.json").read_text())["results"]}
+    assert f"ccm-concat:{copy}" in methods and sorted(path.name for path in report.iterdir()) == sorted(before)
+    capsys.readouterr()
+
+
 def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     train(tiny_model, tmp_path / "full", 2, "--method", "full-context", "--supervision", "dense")
     config = json.loads((tmp_path / "full" / "ccm_config.json").read_text())

@@ -458,9 +458,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
-    (output / "eval.json").write_text(report_json(results, summary))
-    plot(results, str(output / "eval.png"))
-    (output / "eval.md").write_text(markdown(results, summary))
+    report, table = report_json(results, summary), markdown(results, summary)
+    # Each file replaced in one step: --output-dir may be the --add-to folder, whose report must survive a failure.
+    _replace_file(output / "eval.json", lambda path: Path(path).write_text(report))
+    _replace_file(output / "eval.png", lambda path: plot(results, path))
+    _replace_file(output / "eval.md", lambda path: Path(path).write_text(table))
     print("\nat the largest time step (95% intervals):")
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
@@ -540,8 +542,8 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "streaming": asdict(ccm),
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
-    (output / "stream_eval.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_stream(results, args.bucket, str(output / "stream_eval.png"))
+    _replace_file(output / "stream_eval.json", lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"))
+    _replace_file(output / "stream_eval.png", lambda path: plot_stream(results, args.bucket, path))
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
 
 
@@ -594,20 +596,29 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"--memory-file {path} cannot be written ({error}); choose a writable place.") from None
 
 
+def _replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
+    """Replace the file at `path` in one step with what `write(temporary_path)` writes: a failed or interrupted
+    write keeps the previous file. The temporary path keeps the suffix (a plot's format follows it)."""
+    path = os.fspath(path)
+    stem, suffix = os.path.splitext(path)
+    temporary = f"{stem}.{os.getpid()}.tmp{suffix}"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
 def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
     """Replace the memory file in one step (a failed save keeps the previous file); on failure, say so and keep
     the conversation going with the memory in hand."""
-    temporary = f"{path}.{os.getpid()}.tmp"
     try:
-        cache.save(temporary)
-        os.replace(temporary, path)
+        _replace_file(path, cache.save)
     except OSError as error:
         print(
             f"ccm chat: could not save the memory to {path} ({error}); it is kept for the next turn.", file=sys.stderr
         )
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 # Names and a job from the test split of the word lists: training never saw them.
