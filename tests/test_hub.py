@@ -76,6 +76,31 @@ def test_saved_files_are_peft_format_and_hold_no_base_weights(tmp_path, base_fol
     assert not list((tmp_path / "adapter").glob("*.bin")) and not list((tmp_path / "adapter").glob("model*"))
 
 
+@pytest.mark.parametrize("failing", ["save_file", "_model_card"])
+def test_a_save_that_fails_midway_keeps_the_adapter_saved_before(tmp_path, monkeypatch, failing):
+    """Saving over an adapter writes every file aside first: a full disk leaves the earlier adapter whole, and
+    other files of the folder (training checkpoints) are never touched."""
+    folder = tmp_path / "adapter"
+    earlier = _adapter(None, seed=1)
+    earlier.save_pretrained(folder)
+    (folder / "checkpoint-2").mkdir()
+    before = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+    original = getattr(hub_module, failing)
+
+    def full_disk(*args, **kwargs):
+        original(*args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hub_module, failing, full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _adapter(None, seed=2, update="merge").save_pretrained(folder)
+    assert {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()} == before
+    assert sorted(path.name for path in folder.iterdir()) == sorted([*ADAPTER_FILES, "checkpoint-2"])
+    target = _adapter(None, seed=9)
+    target.load_adapter(folder)
+    assert all(torch.equal(value, earlier.adapter_tensors()[key]) for key, value in target.adapter_tensors().items())
+
+
 def test_hub_card_names_hub_base_model(tmp_path):
     model = _adapter("acme/tiny-llama")
     model.save_pretrained(tmp_path / "adapter")

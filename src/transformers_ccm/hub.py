@@ -81,17 +81,23 @@ def save_adapter(
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
     lora_config.task_type = "CAUSAL_LM"
-    lora_config.save_pretrained(str(folder))
     prefixed = {
         (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value.detach().contiguous().cpu()
         for key, value in tensors.items()
     }
-    save_file(prefixed, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-    config.save_pretrained(folder)
     if repo_id is None:
         shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
         repo_id = SHIPPED_PREFIX + folder.name if shipped else str(folder)
-    _model_card(config, repo_id).save(folder / MODEL_CARD_NAME)
+    # Written beside the folder's files first, then moved over them: a write that fails (a full disk) keeps the
+    # adapter saved there before, and other files of the folder (training checkpoints) stay.
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".saving-") as staging_name:
+        staging = Path(staging_name)
+        lora_config.save_pretrained(str(staging))
+        save_file(prefixed, str(staging / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        config.save_pretrained(staging)
+        _model_card(config, repo_id).save(staging / MODEL_CARD_NAME)
+        for name in ADAPTER_FILES:
+            os.replace(staging / name, folder / name)
 
 
 def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
