@@ -82,6 +82,19 @@ def test_saving_an_unfolded_turn_is_refused(tmp_path):
         cache.save(tmp_path / "user.safetensors")
 
 
+def test_saving_to_a_folder_or_into_a_missing_folder_says_so(tmp_path):
+    model = tiny_ccm("llama")
+    cache = _filled(model, 1)
+    with pytest.raises(IsADirectoryError, match="is a folder; save the memory to a file such as"):
+        cache.save(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist; create it before saving"):
+        cache.save(tmp_path / "missing" / "user.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    cache.save(tmp_path / "user.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+    assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)
+
+
 def test_loading_into_another_adapter_or_model_fails(tmp_path):
     model = tiny_ccm("llama")
     _filled(model).save(tmp_path / "user.safetensors")

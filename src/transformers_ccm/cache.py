@@ -832,6 +832,11 @@ class CompressedMemoryCache(Cache):
             self._save(path)
 
     def _save(self, path: str | os.PathLike[str]) -> None:
+        target = os.path.abspath(os.fspath(path))
+        if os.path.isdir(target):
+            raise IsADirectoryError(f"{path} is a folder; save the memory to a file such as {path}/memory.safetensors.")
+        if not os.path.isdir(os.path.dirname(target)):
+            raise FileNotFoundError(f"The folder of {path} does not exist; create it before saving the memory there.")
         if self.has_unfolded_turn:
             raise ValueError(
                 "The cache holds an unfolded turn; call model.compress(cache) to fold it into memory before "
