@@ -165,6 +165,21 @@ def test_mismatched_attention_mask():
         model.compress(model.new_cache(), torch.tensor([[5, 6]]), attention_mask=torch.tensor([[1]]))
 
 
+@pytest.mark.parametrize("mask", ["ab", [[1, 1], [1]], {"mask": 1}])
+def test_an_attention_mask_that_is_no_tensor_of_zeros_and_ones_says_so(mask):
+    """Text, ragged rows or a dict reached torch, whose error did not say what to pass; the cache keeps its memory."""
+    model = tiny_ccm("llama")
+    cache = _filled(model, 2)
+    before = [layer.keys.clone() for layer in cache.layers]
+    prompt = torch.tensor([[5, 6], [7, 8]])
+    with pytest.raises(ValueError, match="attention_mask must be 1 \\(a token\\) or 0 \\(padding\\) per context token"):
+        model.compress(cache, prompt, attention_mask=mask)
+    with pytest.raises(ValueError, match="per prompt token"):
+        model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
+    assert all(torch.equal(layer.keys, kept) for layer, kept in zip(cache.layers, before, strict=True))
+    assert not cache.has_unfolded_turn
+
+
 # ----- crafted files ---------------------------------------------------------------------------------------------
 def _rewrite(path, tensors=None, metadata=None):
     """Write `path` again with tensors and/or header changed."""

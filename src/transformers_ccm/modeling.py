@@ -350,14 +350,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_ids(context_ids, "context_ids")
         if attention_mask is None:
             return context_ids, torch.ones_like(context_ids, dtype=torch.bool)
-        attention_mask = torch.as_tensor(attention_mask)  # as context_ids: lists are fine, one row may omit the batch
-        attention_mask = attention_mask[None] if attention_mask.ndim == 1 else attention_mask
-        if attention_mask.shape != context_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but context_ids {tuple(context_ids.shape)}; "
-                "give one mask entry per context token."
-            )
-        return context_ids, attention_mask.to(context_ids.device).bool()
+        return context_ids, _checked_mask(attention_mask, context_ids, "context_ids", "context token").bool()
 
     @torch.no_grad()
     def generate(
@@ -383,12 +376,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        else:  # as compress: a list is fine
-            attention_mask = torch.as_tensor(attention_mask, device=input_ids.device)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; give "
-                "one mask entry per prompt token (the memory needs none)."
+        else:
+            attention_mask = _checked_mask(
+                attention_mask, input_ids, "input_ids", "prompt token (the memory needs none)"
             )
         generation_config = kwargs.get("generation_config") or self.base_model.generation_config
         num_beams = kwargs.get("num_beams") or generation_config.num_beams or 1
@@ -668,6 +658,27 @@ def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> to
     mean, std = embedded.mean(dim=0), embedded.std(dim=0)
     noise = torch.randn(num_comp_tokens, mean.shape[-1], device=mean.device) * 0.1 * std
     return (mean + noise).to(embedding.weight.dtype)
+
+
+def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> torch.Tensor:
+    """`mask` as a tensor on the device of `tokens` `(batch, len)`, of its shape: a list is fine, and one row may
+    omit the batch dimension. `name` and `entry` say in errors what it masks."""
+    try:
+        if isinstance(mask, str):
+            raise TypeError("text")
+        mask = torch.as_tensor(mask, device=tokens.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"attention_mask must be 1 (a token) or 0 (padding) per {entry}, as a tensor or a list of equal-length "
+            f"lists, got {type(mask).__name__}."
+        ) from None
+    mask = mask[None] if mask.ndim == 1 else mask
+    if mask.shape != tokens.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but {name} {tuple(tokens.shape)}; give one mask entry per "
+            f"{entry}."
+        )
+    return mask
 
 
 def _check_tensor(tokens: Any, name: str) -> None:
