@@ -70,6 +70,14 @@ def test_ids_that_are_no_token_of_the_model_are_refused_naming_the_sample(sample
         CCMDataCollator(model)([sample])
 
 
+def test_text_that_another_models_tokenizer_reads_past_the_vocabulary_is_refused():
+    def tokenizer(text, add_special_tokens=True):
+        return {"input_ids": [VOCAB + ord(ch) for ch in text]}
+
+    with pytest.raises(ValueError, match=rf"samples\[0\].contexts\[0\] holds the token id {VOCAB + 97}, outside"):
+        CCMDataCollator(tiny_ccm("llama"), tokenizer=tokenizer)([OnlineSample(["ab"], [5], [6])])
+
+
 def test_empty_batch():
     with pytest.raises(ValueError, match="empty list"):
         CCMDataCollator(CONFIG)([])

@@ -51,13 +51,14 @@ def token_ids(
         if not integral:
             raise ValueError(f"{where} must hold integer token ids (or be a string), got {tokens!r:.80}.")
         ids = [int(token) for token in ids]
-        wrong = [token for token in ids if token < 0 or (vocabulary is not None and token >= vocabulary)]
-        if wrong:
-            limit = f"0..{vocabulary - 1}" if vocabulary is not None else "ids >= 0"
-            raise ValueError(
-                f"{where} holds the token id {wrong[0]}, outside the model's vocabulary ({limit}); tokenize with "
-                "this model's tokenizer."
-            )
+    # Ids from a tokenizer too: another model's may give ids past this one's vocabulary.
+    wrong = [token for token in ids if token < 0 or (vocabulary is not None and token >= vocabulary)]
+    if wrong:
+        limit = f"0..{vocabulary - 1}" if vocabulary is not None else "ids >= 0"
+        raise ValueError(
+            f"{where} holds the token id {wrong[0]}, outside the model's vocabulary ({limit}); tokenize with "
+            "this model's tokenizer."
+        )
     if not ids and not empty_ok:
         raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
     return ids
