@@ -358,11 +358,14 @@ def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path
     report = ["eval", "--model", tiny_model, "--adapters", str(copy), "--output-dir", str(tmp_path / "x")]
     (tmp_path / "crafted").mkdir()
     (tmp_path / "crafted" / "eval.json").write_text('{"results": [{"task": "icl"}]}')
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "eval.json").write_text("[" * 100_000 + "]" * 100_000)
     for extra, message in (
         (["--add-to", str(tmp_path / "first")], "drawn again gives other samples than its report"),  # seed 0, not 4
         (["--seed", "4", "--add-to", str(tmp_path / "added")], "already holds"),
         (["--add-to", str(tmp_path / "missing")], "no eval.json there"),
         (["--add-to", str(tmp_path / "crafted")], "is not a ccm eval report"),
+        (["--add-to", str(tmp_path / "deep")], "is nested too deeply to be read as JSON"),
         (["--add-to", str(tmp_path / "first"), "--full-context-adapter", adapter], "drop --full-context-adapter"),
         (["--add-to", str(tmp_path / "first"), "--samples", "3", "--steps", "1"], "drop --steps --samples"),
         (["--add-to", str(tmp_path / "first"), "--tasks", "icl"], "drop --tasks"),

@@ -252,6 +252,12 @@ def test_folders_without_ccm_files_say_what_they_are(tmp_path, base_folder):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no ccm_config\.json"):
         CCMForCausalLM.from_pretrained(tmp_path / "empty")
+    for damaged in ("[1]", "[" * 100_000, b"\xff"):  # a PEFT config that is not one still gets the same answer
+        (tmp_path / "damaged").mkdir(exist_ok=True)
+        path = tmp_path / "damaged" / "adapter_config.json"
+        path.write_bytes(damaged.encode() if isinstance(damaged, str) else damaged)
+        with pytest.raises(FileNotFoundError, match=r"plain PEFT adapter for None without ccm_config\.json"):
+            CCMForCausalLM.from_pretrained(tmp_path / "damaged")
 
 
 def test_load_adapter_of_another_structure_changes_nothing(tmp_path):

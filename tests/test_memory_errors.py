@@ -232,7 +232,10 @@ CRAFTED = {
         "('steps' [4611686018427387904, 2]) cannot give",
     ),
     "no positions": ({"tensors": _without("next_position")}, "'next_position' must be a non-empty 1-D tensor"),
-    "a header that is not JSON": ({"metadata": lambda header: {MEMORY_FORMAT: "{nope"}}, "is not JSON"),
+    "a header that is not JSON": (
+        {"metadata": lambda header: {MEMORY_FORMAT: "{nope"}},
+        "its header is not valid JSON",
+    ),
     "a header without signature": ({"metadata": _header_edit(lambda h: h.pop("signature"))}, "no signature"),
     "an unknown version": ({"metadata": _header_edit(lambda h: h.update(format_version="7"))}, "version '7'"),
     "a bad streaming header": (

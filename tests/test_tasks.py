@@ -385,12 +385,20 @@ def test_jsonl_with_token_ids(tmp_path):
         ('{"contexts": "x", "input": "y"}\n', "'contexts' must be a list"),
         ('{"contexts": [], "input": "y", "label": 1}\n', "unknown fields"),
         ("\n", "holds no samples"),
+        ("[" * 100_000 + "]" * 100_000, r":1 is nested too deeply to be read as JSON; write one JSON object per line"),
+        (b'{"contexts": ["\xff"], "input": "q"}', r"is not UTF-8 text .*; save it as UTF-8"),
+        ('{"contexts": [], "input": "q", "output": "x", "choices": ["x", "y", "x"]}', "the choice 'x' is listed twice"),
     ],
 )
 def test_jsonl_errors(tmp_path, text, message):
-    (tmp_path / "bad.jsonl").write_text(text)
+    (tmp_path / "bad.jsonl").write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError, match=message):
         load_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_jsonl_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "bom.jsonl").write_text('\ufeff{"contexts": ["a"], "input": "q", "output": "x"}\n', encoding="utf-8")
+    assert load_jsonl(tmp_path / "bom.jsonl") == [OnlineSample(["a"], "q", "x")]
 
 
 def test_unknown_task():

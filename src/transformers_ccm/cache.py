@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
+from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
@@ -954,16 +955,8 @@ class _MemoryFile:
                 header[key] = self._json(metadata[key], key)
         return header
 
-    def _json(self, text: str, what: str) -> Any:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise self._fail(f"its {what} is not JSON ({error})") from None
-        except RecursionError:  # nesting deeper than Python's recursion limit: no header of ours
-            raise self._fail(f"its {what} is nested too deeply") from None
-        if not isinstance(value, dict):
-            raise self._fail(f"its {what} is a {type(value).__name__}, not an object")
-        return value
+    def _json(self, text: str, what: str) -> dict[str, Any]:
+        return parse_json_object(text, f"{self.path} is not a valid memory file: its {what}", "save the memory again.")
 
     def _streaming(self, content: Any) -> tuple[StreamingConfig | None, dict[str, int]]:
         if content is None:

@@ -293,16 +293,16 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
 def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], list[SampleSet]]:
     """The result rows of the `ccm eval` report in `folder` and its sample sets, drawn again as that run drew them
     (same task, wording set, time step and count, with `args.seed`) for `ccm eval --add-to`."""
-    import json
     from pathlib import Path
 
     from transformers_ccm.evaluation import summarize
+    from transformers_ccm.json_reading import parse_json
 
     path = Path(folder, "eval.json")
     if not path.is_file():
         raise ValueError(f"--add-to {folder}: no eval.json there; give the --output-dir of an earlier ccm eval.")
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))["results"]
+        rows = parse_json(path.read_bytes(), str(path), "score anew without --add-to.")["results"]
         summarize(rows)  # reads every field the joint report needs
         held = {
             (r["task"], r["wordings"], r["steps"]): r["context_kv_tokens"]

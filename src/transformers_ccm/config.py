@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from transformers_ccm.json_reading import parse_json_object
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -130,19 +132,11 @@ class CCMConfig:
         if os.path.isdir(path):
             path = os.path.join(path, CONFIG_NAME)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                text = f.read()
         except FileNotFoundError:
             raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); the file is corrupt, save it again.") from None
-        except RecursionError:  # nesting deeper than Python's recursion limit: no config of ours
-            raise ValueError(
-                f"{path} is nested too deeply to be a CCM config; the file is corrupt, save it again."
-            ) from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json_object(text, path, "the file is corrupt, save it again."))
 
 
 def _positive_int(value: object) -> bool:

@@ -11,7 +11,6 @@ Layout of a saved adapter (never the base weights, never pickle):
 from __future__ import annotations
 
 import copy
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from transformers_ccm.config import CONFIG_NAME, CCMConfig
+from transformers_ccm.json_reading import parse_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -171,16 +171,14 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
             raise FileNotFoundError(
                 f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
             )
+    peft_config = parse_json_object(
+        (folder / ADAPTER_CONFIG_NAME).read_bytes(), str(folder / ADAPTER_CONFIG_NAME), "save or download it again."
+    )
     try:
-        peft_config = json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
         with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
             tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
-    except (json.JSONDecodeError, UnicodeDecodeError, SafetensorError, OSError) as error:
+    except (SafetensorError, OSError) as error:
         raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
-    except RecursionError:  # JSON nested deeper than Python's recursion limit: no adapter config
-        raise ValueError(
-            f"{folder / ADAPTER_CONFIG_NAME} is nested too deeply to be an adapter config; save or download it again."
-        ) from None
     if COMP_EMBEDDINGS_KEY not in tensors:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
     _check_values(folder / ADAPTER_WEIGHTS_NAME, tensors)
@@ -212,11 +210,11 @@ def _check_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 _PEFT_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
 
 
-def _check_files_agree(folder: Path, config: CCMConfig, peft_config: object, tensors: dict[str, torch.Tensor]) -> None:
+def _check_files_agree(
+    folder: Path, config: CCMConfig, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> None:
     """Raise, naming the files and values, unless adapter_config.json and the weights' sizes say what
     ccm_config.json says. Runs before any model is built, so a crafted config cannot make it allocate."""
-    if not isinstance(peft_config, dict):
-        raise ValueError(f"{folder / ADAPTER_CONFIG_NAME} must hold a JSON object, got {type(peft_config).__name__}.")
     wanted = {**_PEFT_FIXED, "r": config.r, "lora_alpha": config.lora_alpha}
     problems = [
         f"{ADAPTER_CONFIG_NAME} has {key}={peft_config.get(key, '(missing)')!r} where {value!r} is expected"
@@ -249,12 +247,13 @@ def _check_files_agree(folder: Path, config: CCMConfig, peft_config: object, ten
 def _what_is_there(folder: Path) -> str:
     if (folder / ADAPTER_CONFIG_NAME).is_file():
         try:
-            peft = json.loads((folder / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
+            peft = parse_json_object((folder / ADAPTER_CONFIG_NAME).read_bytes(), ADAPTER_CONFIG_NAME, "")
+        except ValueError:  # described as well as it can be: the message is about the missing ccm_config.json
             peft = {}
+        kind = " ".join(str(part) for part in ("PEFT", peft.get("peft_type")) if part)
         return (
-            f"it is a plain PEFT {peft.get('peft_type', '')} adapter for {peft.get('base_model_name_or_path')!r} "
-            f"without {CONFIG_NAME}; load it with peft.PeftModel.from_pretrained."
+            f"it is a plain {kind} adapter for {peft.get('base_model_name_or_path')!r} without {CONFIG_NAME}; load it "
+            "with peft.PeftModel.from_pretrained."
         )
     if (folder / "config.json").is_file():
         return "it is a full transformers model (config.json); wrap it with CCMForCausalLM.from_base."

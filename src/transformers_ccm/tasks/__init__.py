@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers_ccm.data import OnlineSample
+from transformers_ccm.json_reading import parse_json
 from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
 from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
@@ -171,13 +172,14 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
     """Read samples written by `save_jsonl` (or by hand): one JSON object per line, strings or token ids."""
     samples = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    try:  # a byte-order mark, as some editors write one, is not part of the first line
+        text = Path(path).read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error}); save it as UTF-8.") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number} is not valid JSON ({error}).") from None
+        record = parse_json(line, f"{path}:{number}", "write one JSON object per line.")
         if not isinstance(record, dict) or "contexts" not in record or "input" not in record:
             raise ValueError(f"{path}:{number} needs an object with 'contexts' (a list) and 'input'.")
         if not isinstance(record["contexts"], list):
@@ -222,6 +224,9 @@ def _check_record(record: dict, where: str) -> None:
         raise ValueError(f"{where}: 'choices' must be a non-empty list of {_TOKENS}; got {choices!r:.80}.")
     if output is not None and output not in choices:
         raise ValueError(f"{where}: the output {output!r:.40} is not among the choices; add it to 'choices'.")
+    repeated = next((choice for index, choice in enumerate(choices) if choice in choices[:index]), None)
+    if repeated is not None:
+        raise ValueError(f"{where}: the choice {repeated!r:.40} is listed twice; list each choice once.")
 
 
 __all__ = [
