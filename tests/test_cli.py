@@ -210,6 +210,18 @@ def test_cli_errors_are_clear(tiny_model, capsys):
     assert exit_info.value.code == 2 and "Unknown task 'qa'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--gradient-accumulation", "--eval-every"])
+def test_train_refuses_a_count_of_zero_before_the_model_loads(tmp_path, capsys, flag):
+    """--steps 0 trained for an epoch and wrote an adapter; --gradient-accumulation 0 divided by zero."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), flag, "0"])
+    setting = {"--eval-every": "eval_every"}.get(flag, flag[2:].replace("-", "_"))
+    assert (
+        exit_info.value.code == 2 and f"TrainingRecipe.{setting} must be a positive integer" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()
+
+
 TEXT_TRAINING = "--task text-varied --compress-chunk 16 --steps 2 --batch-size 2 --eval-every 2 --eval-samples 2"
 STREAM_EVAL = "--tokens 300 --window-tokens 40 --sink-tokens 2 --compress-chunk 16 --max-memory-tokens 4 --bucket 100"
 

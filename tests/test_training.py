@@ -91,6 +91,38 @@ def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("steps", 0),  # the Trainer read it as "train 3 epochs instead"
+        ("steps", -1),
+        ("steps", 2.5),
+        ("batch_size", 0),
+        ("gradient_accumulation", 0),  # ZeroDivisionError inside the Trainer
+        ("eval_every", 0),
+        ("save_every", 0),
+        ("learning_rate", -1e-3),
+        ("learning_rate", float("nan")),
+        ("warmup_ratio", -0.5),
+        ("distill_weight", -1.0),
+        ("distill_temperature", 0.0),
+        ("stream_piece", 0),
+        ("pad_to_multiple_of", 0),
+    ],
+)
+def test_a_recipe_with_a_bad_value_is_refused_before_training(setting, value):
+    """steps=0 or -1 trained (and wrote an adapter) for whole epochs; gradient_accumulation=0 divided by zero."""
+    with pytest.raises(ValueError, match=rf"TrainingRecipe\.{setting} must be"):
+        TrainingRecipe(**{"steps": 1, "batch_size": 2, setting: value})
+
+
+@given(steps=st.integers(max_value=0), batch_size=st.integers(min_value=1, max_value=64))
+def test_a_recipe_takes_only_positive_steps(steps, batch_size):
+    with pytest.raises(ValueError, match=r"TrainingRecipe\.steps must be a positive integer"):
+        TrainingRecipe(steps=steps, batch_size=batch_size)
+    assert TrainingRecipe(steps=1 - steps, batch_size=batch_size).steps == 1 - steps
+
+
+@pytest.mark.parametrize(
     ("teacher_base", "distill_weight", "message"),
     [
         ("llama", 0.0, "distill_weight is 0"),

@@ -115,6 +115,24 @@ def cmd_train(args: argparse.Namespace) -> None:
         if streaming is None
         else tokens_before_compression(streaming) + args.stream_chunks * args.compress_chunk + 1
     )
+    # Built first: a bad --steps, --batch-size or --learning-rate is refused before the model loads.
+    recipe = TrainingRecipe(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        gradient_accumulation=args.gradient_accumulation,
+        learning_rate=args.learning_rate,
+        eval_every=args.eval_every,
+        save_every=args.eval_every,
+        seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing,
+        group_by_length=args.group_by_length,
+        precision=args.precision,
+        supervision="output" if streaming is not None else args.supervision,
+        distill_weight=args.distill_weight,
+        layout="full_context" if args.method == "full-context" else "ccm",
+        streaming=streaming,
+        stream_piece=args.stream_piece,
+    )
     config = CCMConfig(
         num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
         update=args.update,
@@ -137,23 +155,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
         model.config = replace(model.config, trained_on=config.trained_on)
     tokenizer = load_tokenizer(args.model)
-    recipe = TrainingRecipe(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        gradient_accumulation=args.gradient_accumulation,
-        learning_rate=args.learning_rate,
-        eval_every=args.eval_every,
-        save_every=args.eval_every,
-        seed=args.seed,
-        gradient_checkpointing=args.gradient_checkpointing,
-        group_by_length=args.group_by_length,
-        precision=args.precision,
-        supervision="output" if streaming is not None else args.supervision,
-        distill_weight=args.distill_weight,
-        layout="full_context" if args.method == "full-context" else "ccm",
-        streaming=streaming,
-        stream_piece=args.stream_piece,
-    )
     train_samples = _load_samples(
         args.task,
         "train",

@@ -6,6 +6,7 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from collections.abc import Iterator, Sequence
@@ -169,6 +170,36 @@ class TrainingRecipe:
     group_by_length: bool = True
     # None: GPU_PAD_MULTIPLE on a GPU, no extra padding on CPU.
     pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        # The Trainer reads steps <= 0 as "epochs instead" (3 of them), gradient_accumulation=0 divides by zero and
+        # eval_every/save_every=0 fall back silently: refuse such values before any model work, naming the setting.
+        for name in ("steps", "batch_size", "gradient_accumulation", "eval_every", "save_every", "log_every"):
+            _check_recipe(getattr(self, name), name, "a positive integer", _positive_int)
+        _check_recipe(self.stream_piece, "stream_piece", "a positive integer", _positive_int)
+        _check_recipe(self.learning_rate, "learning_rate", "a positive number", lambda v: _finite(v) and v > 0)
+        _check_recipe(self.warmup_ratio, "warmup_ratio", "a number in [0, 1]", lambda v: _finite(v) and 0 <= v <= 1)
+        for name in ("weight_decay", "distill_weight"):
+            _check_recipe(getattr(self, name), name, "a number >= 0", lambda v: _finite(v) and v >= 0)
+        _check_recipe(
+            self.distill_temperature, "distill_temperature", "a positive number", lambda v: _finite(v) and v > 0
+        )
+        _check_recipe(self.seed, "seed", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+        if self.pad_to_multiple_of is not None:
+            _check_recipe(self.pad_to_multiple_of, "pad_to_multiple_of", "None or a positive integer", _positive_int)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_recipe(value: object, name: str, allowed: str, ok: Any) -> None:
+    if not ok(value):
+        raise ValueError(f"TrainingRecipe.{name} must be {allowed}, got {value!r}.")
 
 
 def train(
