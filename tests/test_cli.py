@@ -260,6 +260,43 @@ def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     assert "is not a file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--tokens", "-5"], "--tokens must be at least 2"),  # sliced the last 5 tokens off the text
+        (["--tokens", "1"], "--tokens must be at least 2"),
+        (["--piece", "0"], "--piece must be at least 1"),  # range() arg 3 must not be zero
+        (["--piece", "-3"], "--piece must be at least 1"),  # max() arg is an empty sequence
+        (["--bucket", "0"], "--bucket must be at least 1"),  # raised once both streams were scored
+        (["--text-file", "binary.dat"], "binary.dat is not UTF-8 text"),
+    ],
+)
+def test_stream_eval_refuses_bad_arguments_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
+    monkeypatch.chdir(tmp_path)
+    Path("binary.dat").write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream-eval", "--model", "no-model", "--adapter", "no-adapter", "--output-dir", "out", *arguments])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not Path("out").exists()
+
+
+def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_path, capsys):
+    """A stream that ends before the KV budget fills raised ZeroDivisionError; an empty text raised a message about
+    tensor shapes."""
+    short, empty = tmp_path / "short.txt", tmp_path / "empty.txt"
+    short.write_text("A short note, far shorter than the window.", encoding="utf-8")
+    empty.write_text("", encoding="utf-8")
+    report = stream_eval(tiny_model, adapter, tmp_path / "short", "--text-file", str(short))
+    assert 2 <= report["tokens"] < 46 and all(
+        result["perplexity_after_budget"] is None and result["perplexity"] > 1 for result in report["methods"].values()
+    )
+    assert "none (the stream is not longer than the KV budget)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        stream_eval(tiny_model, adapter, tmp_path / "empty", "--text-file", str(empty))
+    assert exit_info.value.code == 2 and "holds 0 token(s); a stream needs 2 or more" in capsys.readouterr().err
+    assert not (tmp_path / "empty").exists()
+
+
 def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adapter, tmp_path, monkeypatch, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -160,3 +160,24 @@ def test_train_refuses_streams_under_a_distributed_launch(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="Training on streams runs in one process"):
         train(model, None, [[5] * 19], None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=1, streaming=SMALL))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("piece", [0, -3, 2.0])
+def test_stream_nll_refuses_a_piece_that_is_not_a_positive_integer(piece):
+    """piece=0 failed inside range() and a negative piece scored nothing, whose perplexity divided by zero."""
+    with pytest.raises(ValueError, match=r"piece \(ccm stream-eval --piece\) must be a positive integer"):
+        stream_nll(tiny_ccm("llama"), torch.arange(3, 40), SMALL, piece=piece)
+
+
+@given(length=st.integers(min_value=2, max_value=30), piece=st.integers(min_value=1, max_value=12))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_stream_no_longer_than_its_budget_has_no_perplexity_after_it(length, piece):
+    """A stream that ends before the KV budget fills (14 positions here) raised ZeroDivisionError in its report."""
+    result = stream_nll(tiny_ccm("llama"), torch.arange(3, 3 + length), SMALL, piece=piece)
+    report = result.to_dict(bucket=8)
+    budget = SMALL.max_kv_length(tiny_ccm("llama").config)
+    assert len(result.token_nll) == length - 1 and report["perplexity"] > 0
+    assert (report["perplexity_after_budget"] is None) == (length - 1 <= budget)
+    if report["perplexity_after_budget"] is None:
+        with pytest.raises(ValueError, match=f"none from position {budget} on"):
+            result.perplexity(budget)

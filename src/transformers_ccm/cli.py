@@ -511,11 +511,25 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
 
+    # Checked before the model loads: a slice by a negative --tokens dropped the end of the text, and a bad --bucket
+    # failed only after both streams were scored.
+    for name in ("piece", "bucket"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    if args.tokens is not None and args.tokens < 2:
+        raise ValueError(f"--tokens must be at least 2 (one token predicts the next), got {args.tokens}.")
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
+    try:
+        text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
     model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
-    text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens])
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
+    if ids.shape[0] < 2:
+        raise ValueError(
+            f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
+        )
     ccm = StreamingConfig(
         window_tokens=args.window_tokens,
         sink_tokens=args.sink_tokens,
@@ -528,10 +542,11 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     for method, streaming in methods.items():
         result = stream_nll(model, ids, streaming, piece=args.piece, method=method)
         results.append(result)
+        after = result.perplexity_after_budget
         print(
             f"{method:14s} KV {result.max_kv_length} (peak held {max(result.kv_held)})  perplexity "
             f"{result.perplexity():.3f}  after the first {result.max_kv_length} tokens "
-            f"{result.perplexity(result.max_kv_length):.3f}",
+            + ("none (the stream is not longer than the KV budget)" if after is None else f"{after:.3f}"),
             flush=True,
         )
     output = Path(args.output_dir)

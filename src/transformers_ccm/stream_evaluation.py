@@ -28,14 +28,24 @@ class StreamResult:
     def perplexity(self, start: int = 0) -> float:
         """Perplexity of the tokens predicted from position `start` on."""
         losses = self.token_nll[start:]
+        if not losses:
+            raise ValueError(
+                f"The stream predicts {len(self.token_nll)} tokens, none from position {start} on; stream more tokens."
+            )
         return math.exp(sum(losses) / len(losses))
+
+    @property
+    def perplexity_after_budget(self) -> float | None:
+        """Perplexity once the KV budget is full (None for a stream no longer than the budget: the two methods then
+        hold the same tokens)."""
+        return self.perplexity(self.max_kv_length) if len(self.token_nll) > self.max_kv_length else None
 
     def to_dict(self, bucket: int) -> dict[str, object]:
         return {
             **asdict(self),
             "token_nll": [round(loss, 4) for loss in self.token_nll],
             "perplexity": self.perplexity(),
-            "perplexity_after_budget": self.perplexity(self.max_kv_length),
+            "perplexity_after_budget": self.perplexity_after_budget,
             "peak_kv_held": max(self.kv_held),
             "bucket_perplexity": bucket_perplexity(self.token_nll, bucket),
         }
@@ -51,6 +61,8 @@ def stream_nll(
     """
     if ids.ndim != 1 or ids.shape[0] < 2:
         raise ValueError(f"ids must be one stream of at least 2 tokens, got shape {tuple(ids.shape)}.")
+    # range() would refuse 0 with its own words, and a negative piece scores nothing at all.
+    _check_positive(piece, "piece")
     cache = model.new_cache(1, streaming=streaming)
     ids = ids.to(model.device)
     token_nll: list[float] = []
@@ -67,6 +79,7 @@ def stream_nll(
 
 def bucket_perplexity(token_nll: Sequence[float], bucket: int) -> list[float]:
     """Perplexity of consecutive buckets of `bucket` predicted tokens (the last one may be shorter)."""
+    _check_positive(bucket, "bucket")
     return [
         math.exp(sum(token_nll[i : i + bucket]) / len(token_nll[i : i + bucket]))
         for i in range(0, len(token_nll), bucket)
@@ -94,3 +107,9 @@ def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _check_positive(value: object, name: str) -> None:
+    """Raise a ValueError unless `value` is a positive integer (`ccm stream-eval --piece` / `--bucket`)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} (ccm stream-eval --{name}) must be a positive integer, got {value!r}.")
