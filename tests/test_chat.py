@@ -92,6 +92,14 @@ def chat_model(tokenizer):
     return randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="merge")))
 
 
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+@pytest.mark.parametrize("max_new_tokens", [0, -4, 2.5, None])
+def test_a_conversation_refuses_a_reply_length_below_one(tokenizer, chat_model, conversation, max_new_tokens):
+    """generate() refused it only at the first turn, once a message had been typed."""
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        conversation(chat_model, tokenizer, max_new_tokens=max_new_tokens)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(when=st.floats(0, 1, exclude_max=True), layer=st.integers(0, 1))
 def test_a_turn_that_fails_leaves_the_session_as_it_was(tmp_path, tokenizer, chat_model, when, layer):

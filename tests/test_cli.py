@@ -194,6 +194,24 @@ def test_demo_runs_by_itself(tiny_model, adapter, capsys):
     assert out.count("you: ") == 3 and out.count("full context would hold") == 3
 
 
+@pytest.mark.parametrize(
+    ("command", "arguments", "message"),
+    [
+        ("demo", ["--turns", "-6"], "--turns must be at least 1, got -6"),  # ran the first two turns of eight
+        ("demo", ["--turns", "0"], "--turns must be at least 1, got 0"),  # ran nothing
+        ("demo", ["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),  # failed at the first turn
+        ("chat", ["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1, got -1"),
+    ],
+)
+def test_chat_and_demo_refuse_counts_below_one_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, command, arguments, message
+):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\n"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--model", str(tmp_path / "no-model"), "--adapter", str(tmp_path / "no-adapter"), *arguments])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_demo_shows_the_full_context_baseline(tiny_model, adapter, capsys):
     main(
         ["demo", "--model", tiny_model, "--adapter", adapter, "--turns", "2", "--max-new-tokens", "4", "--full-context"]

@@ -69,6 +69,9 @@ class _Conversation:
     template ends a reply."""
 
     def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> None:
+        # Checked here, not by generate() at the first turn, after the user has typed a message.
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer (the longest reply), got {max_new_tokens!r}.")
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens

@@ -572,10 +572,20 @@ def _print_turn(report: TurnReport) -> None:
     )
 
 
+def _check_counts(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """Raise, before any model loads, unless each of `names` (flags of `args`, None meaning "unset") is at least 1:
+    a negative --turns sliced turns off the end of the script, and --max-new-tokens 0 failed only at the first turn."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     from transformers_ccm.cache import CompressedMemoryCache
     from transformers_ccm.chat import ChatSession
 
+    _check_counts(args, ["max_new_tokens"])
     if args.memory_file:
         _check_writable(args.memory_file)
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
@@ -661,6 +671,7 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     from transformers_ccm.chat import ChatSession, FullContextChat
 
+    _check_counts(args, ["max_new_tokens", "turns"])
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
     model, tokenizer = _load_ccm(adapter, args.model, args.device)
     script = demo_script(**DEMO_FACTS)[: args.turns]
