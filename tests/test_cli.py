@@ -315,6 +315,28 @@ def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_
     assert not (tmp_path / "empty").exists()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--tasks", "icl", "--steps", "0"], "--steps takes time steps of at least 1"),  # ZeroDivisionError at the end
+        (["--tasks", "icl", "--steps", "1", "-2"], "--steps takes time steps of at least 1"),
+        (["--tasks", "icl", "--samples", "0"], "--samples must be at least 1, got 0"),
+        (["--tasks", "icl", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # range() arg 3
+        (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl has samples with no contexts"),
+    ],
+)
+def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
+    monkeypatch.chdir(tmp_path)
+    Path("no-contexts.jsonl").write_text(
+        '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
+        '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n'
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not Path("out").exists()
+
+
 def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adapter, tmp_path, monkeypatch, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -272,6 +272,11 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
             raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
         metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
+        if lengths[0] == 0:
+            raise ValueError(
+                f"{task} has samples with no contexts; scoring compares memory with the full context, so every sample "
+                "needs at least one."
+            )
         chosen = sorted(set(args.steps or lengths))
         missing = [t for t in chosen if t not in lengths]
         if missing:
@@ -390,6 +395,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
+    # Before any model loads: --batch-size 0 failed in range(), --samples 0 as "no samples", and --steps 0 (no
+    # memory, no full context to compare with) only once every sample was scored, dividing by zero in the summary.
+    _check_counts(args, ["samples", "batch_size"])
+    if args.steps is not None and min(args.steps) < 1:
+        raise ValueError(f"--steps takes time steps of at least 1 (contexts per sample), got {args.steps}.")
     if args.add_to and args.full_context_adapter:
         raise ValueError(
             "--add-to keeps the baselines of its report; drop --full-context-adapter, or score it without --add-to."
