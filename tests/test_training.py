@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -210,3 +211,51 @@ def test_ccm_train_groups_by_length_unless_told_not_to():
     parse = build_parser().parse_args
     assert parse(["train", "--output-dir", "x"]).group_by_length
     assert not parse(["train", "--output-dir", "x", "--no-group-by-length"]).group_by_length
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run of 2 steps with a checkpoint after each."""
+    folder = tmp_path_factory.mktemp("run")
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    train(model, None, samples, None, folder, TrainingRecipe(steps=2, batch_size=2, save_every=1))
+    return folder, samples
+
+
+def _truncate(path, keep):
+    path.write_bytes(path.read_bytes()[: int(keep * path.stat().st_size)])
+
+
+def _flip_middle_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        ("optimizer.pt", lambda path: _truncate(path, 0.5), "optimizer.pt is damaged"),
+        ("optimizer.pt", _flip_middle_byte, "optimizer.pt is damaged"),
+        ("scheduler.pt", lambda path: path.write_bytes(b""), "scheduler.pt is damaged"),
+        ("trainer_state.json", lambda path: _truncate(path, 0.5), "trainer_state.json is not valid JSON"),
+    ],
+    ids=["cut-optimizer", "flipped-optimizer", "empty-scheduler", "cut-state"],
+)
+def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory, two_checkpoints, damage):
+    """A checkpoint cut short (a run killed while writing it) failed with a bare OSError or JSONDecodeError once the
+    Trainer had loaded its adapter into the model; the error now names the file and the fix, and changes nothing."""
+    name, spoil, message = damage
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(folder, run)
+    spoil(run / "checkpoint-2" / name)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    recipe = TrainingRecipe(steps=3, batch_size=2, save_every=1)
+    with pytest.raises(ValueError, match=f"{message}.*delete .*checkpoint-2 to resume from the checkpoint before it"):
+        train(model, None, samples, None, run, recipe, resume=True)
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    shutil.rmtree(run / "checkpoint-2")  # the fix the message names: resume from the checkpoint before it
+    assert train(model, None, samples, None, run, recipe, resume=True).state.global_step == 3

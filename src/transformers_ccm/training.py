@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -16,9 +17,11 @@ from typing import Any, Literal, get_args
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.trainer_utils import get_last_checkpoint
 
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
+from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
@@ -252,6 +255,8 @@ def train(
             "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
             "which checkpointed layers do not fill. Train without it, or with shorter streams."
         )
+    if resume:
+        _check_last_checkpoint(output_dir)
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable()
     args = TrainingArguments(
@@ -373,6 +378,32 @@ def _refuse_sharded_launch() -> None:
             "frozen, so sharding saves little, and PEFT's frozen base would need FSDP's use_orig_params. Launch "
             "with `accelerate launch --multi_gpu ...` or `torchrun --nproc_per_node N ...` instead."
         )
+
+
+def _check_last_checkpoint(output_dir: str | os.PathLike[str]) -> None:
+    """Raise a ValueError naming the file if the checkpoint that `resume=True` continues from is damaged (a run
+    killed while writing it, a full disk): the Trainer loaded its adapter into the model first, then failed on the
+    rest with a bare `OSError` or `JSONDecodeError` that named no file. The adapter itself is checked as it loads."""
+    checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
+    if checkpoint is None:
+        return  # the Trainer says that there is nothing to resume from
+    fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
+    state = os.path.join(checkpoint, "trainer_state.json")
+    if os.path.isfile(state):
+        with open(state, "rb") as file:
+            parse_json_object(file.read(), state, fix)
+    for name in sorted(os.listdir(checkpoint)):
+        if not name.endswith((".pt", ".pth")):
+            continue
+        # torch.save writes a zip archive: its checksums tell a truncated or damaged file without unpickling it.
+        path = os.path.join(checkpoint, name)
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad_member = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as error:
+            raise ValueError(f"{path} is damaged ({error}); {fix}") from None
+        if bad_member is not None:
+            raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
 
 
 def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM, recipe: TrainingRecipe) -> None:
