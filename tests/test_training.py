@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import re
 import shutil
 from dataclasses import replace
 
@@ -259,3 +260,30 @@ def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory,
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     shutil.rmtree(run / "checkpoint-2")  # the fix the message names: resume from the checkpoint before it
     assert train(model, None, samples, None, run, recipe, resume=True).state.global_step == 3
+
+
+@pytest.mark.parametrize(
+    ("supervision", "unlabelled", "message"),
+    [
+        ("output", OnlineSample([[11, 41], [12, 42]], [QUERY]), "has no token to learn from: no output."),
+        ("output", OnlineSample([[11, 41]], [QUERY], []), "has no token to learn from: no output."),
+        ("dense", OnlineSample([[11, 41]], [QUERY]), "has no token to learn from: no output and no context after"),
+    ],
+)
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
+    tmp_path, supervision, unlabelled, message, where
+):
+    """A batch drawn from output-less samples had no loss, and the Trainer failed with `TypeError: unsupported
+    operand type(s) for /: 'NoneType' and 'int'` at that step."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    before = model.comp_embeddings.detach().clone()
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    bad = [*samples[:3], unlabelled]
+    train_samples, eval_samples = (bad, None) if where == "train" else (samples, bad)
+    recipe = TrainingRecipe(steps=2, batch_size=2, eval_every=1, save_every=1, supervision=supervision)
+    with pytest.raises(ValueError, match=rf"{where}_samples\[3\] {re.escape(message)}"):
+        train(model, None, train_samples, eval_samples, tmp_path / "out", recipe)
+    assert torch.equal(before, model.comp_embeddings) and not (tmp_path / "out").exists()
+    dense = OnlineSample([[11, 41], [12, 42]], [QUERY])  # dense supervision learns from its second context
+    assert CCMDataCollator(model, supervision="dense").supervised_tokens(dense) == 1

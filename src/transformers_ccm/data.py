@@ -184,6 +184,13 @@ class CCMDataCollator:
         comp = 0 if self.layout == "full_context" else self.config.num_comp_tokens
         return sum(len(context) + comp for context in contexts) + len(inputs) + len(outputs)
 
+    def supervised_tokens(self, sample: OnlineSample, index: int = 0) -> int:
+        """How many tokens of `sample` (at `index` in its list, for errors) get a label: its output, and with dense
+        supervision every context's tokens after its first from the second context on."""
+        contexts, _, outputs = self._token_lists(index, sample)
+        dense = sum(len(context) - 1 for context in contexts[1:]) if self.supervision == "dense" else 0
+        return len(outputs) + dense
+
     def _token_lists(self, index: int, sample: OnlineSample) -> tuple[list[list[int]], list[int], list[int]]:
         """The token ids of the sample's contexts, input and output (none without an output)."""
         vocabulary = self.vocabulary

@@ -303,10 +303,12 @@ def train(
         # now also refuses a bad one (an id outside the vocabulary) before the first step, not hours into training.
         train_samples = collator.tokenized(train_samples)
         lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+        _check_supervised(collator, train_samples, "train_samples")
         if eval_samples:
             eval_samples = collator.tokenized(eval_samples)
             for index, sample in enumerate(eval_samples):
                 collator.sequence_length(sample, index)
+            _check_supervised(collator, eval_samples, "eval_samples")
         if recipe.group_by_length:
             sample_lengths = lengths
     trainer = CCMTrainer(
@@ -378,6 +380,18 @@ def _refuse_sharded_launch() -> None:
             "frozen, so sharding saves little, and PEFT's frozen base would need FSDP's use_orig_params. Launch "
             "with `accelerate launch --multi_gpu ...` or `torchrun --nproc_per_node N ...` instead."
         )
+
+
+def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample], name: str) -> None:
+    """Raise a ValueError naming the first sample with no label: a batch of such samples has no loss, which the
+    Trainer met with a TypeError (`None / int`) at whichever step drew one."""
+    for index, sample in enumerate(samples):
+        if not collator.supervised_tokens(sample, index):
+            dense = " and no context after the first to supervise" if collator.supervision == "dense" else ""
+            raise ValueError(
+                f"{name}[{index}] has no token to learn from: no output{dense}. Give every training sample an output "
+                "(the text the model should produce after the input), or leave it out."
+            )
 
 
 def _check_last_checkpoint(output_dir: str | os.PathLike[str]) -> None:
