@@ -180,9 +180,8 @@ class TrainingRecipe:
         for name in ("steps", "batch_size", "gradient_accumulation", "eval_every", "save_every", "log_every"):
             _check_recipe(getattr(self, name), name, "a positive integer", _positive_int)
         _check_recipe(self.stream_piece, "stream_piece", "a positive integer", _positive_int)
-        _check_recipe(self.learning_rate, "learning_rate", "a positive number", lambda v: _finite(v) and v > 0)
         _check_recipe(self.warmup_ratio, "warmup_ratio", "a number in [0, 1]", lambda v: _finite(v) and 0 <= v <= 1)
-        for name in ("weight_decay", "distill_weight"):
+        for name in ("learning_rate", "weight_decay", "distill_weight"):  # a rate of 0 runs the loop, weights kept
             _check_recipe(getattr(self, name), name, "a number >= 0", lambda v: _finite(v) and v >= 0)
         _check_recipe(
             self.distill_temperature, "distill_temperature", "a positive number", lambda v: _finite(v) and v > 0
