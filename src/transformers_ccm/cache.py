@@ -36,6 +36,7 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
+from transformers_ccm.validation import is_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class CompressedMemoryCache(Cache):
     """
 
     def __init__(self, spec: CacheSpec, batch_size: int, streaming: StreamingConfig | None = None) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not positive_int(batch_size):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         if streaming is not None and not isinstance(streaming, StreamingConfig):
             raise TypeError(f"streaming must be a StreamingConfig (or None), got {type(streaming).__name__}.")
@@ -969,7 +970,7 @@ class _MemoryFile:
             state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
         except (KeyError, TypeError, ValueError) as error:
             raise self._fail(f"its streaming header is wrong ({error!r})") from None
-        if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in state.values()):
+        if not all(is_int(value) and value >= 0 for value in state.values()):
             raise self._fail(f"its streaming lengths {state} are not integers >= 0")
         if (
             state["sink_length"] > streaming.sink_tokens

@@ -11,6 +11,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers_ccm.cache import CompressedMemoryCache
 from transformers_ccm.evaluation import kv_bytes_per_token
 from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
+from transformers_ccm.validation import positive_int
 
 _SENTINEL = "CCM-MESSAGE-SENTINEL"
 
@@ -70,7 +71,7 @@ class _Conversation:
 
     def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> None:
         # Checked here, not by generate() at the first turn, after the user has typed a message.
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if not positive_int(max_new_tokens):
             raise ValueError(f"max_new_tokens must be a positive integer (the longest reply), got {max_new_tokens!r}.")
         self.model = model
         self.tokenizer = tokenizer

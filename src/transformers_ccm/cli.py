@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
+from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -335,7 +336,7 @@ def _drawn(row: dict, context_tokens: float | None) -> tuple[str, str, int, int]
     at most those tokens (every context has one), so that a damaged report cannot have samples drawn by the
     billion, or with a million contexts each."""
     steps, count, values = row["steps"], row["samples"], row["per_sample"]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (steps, count)):
+    if not (positive_int(steps) and positive_int(count)):
         raise ValueError(f"{row['task']} row: steps {steps!r} and samples {count!r} must be integers >= 1")
     if not isinstance(values, list) or count != len(values):
         raise ValueError(f"{row['task']} row: samples is {count} but it holds {len(values)} per-sample values")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from transformers_ccm.json_reading import parse_json_object
+from transformers_ccm.validation import check_setting, number, positive_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -56,9 +58,9 @@ class CCMConfig:
     trained_on: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.num_comp_tokens, "num_comp_tokens", "a positive integer", _positive_int)
+        _check(self.num_comp_tokens, "num_comp_tokens", "a positive integer", positive_int)
         _check(self.update, "update", " | ".join(repr(u) for u in UPDATE_RULES), lambda v: v in UPDATE_RULES)
-        _check(self.ema_alpha, "ema_alpha", "a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1)
+        _check(self.ema_alpha, "ema_alpha", "a number in (0, 1]", lambda v: number(v) and 0 < v <= 1)
         if self.max_memory_tokens is not None:
             if self.update != "concat":
                 raise ValueError(
@@ -69,12 +71,12 @@ class CCMConfig:
                 self.max_memory_tokens,
                 "max_memory_tokens",
                 f"None or an integer >= num_comp_tokens ({self.num_comp_tokens})",
-                lambda v: _positive_int(v) and v >= self.num_comp_tokens,
+                lambda v: positive_int(v) and v >= self.num_comp_tokens,
             )
         _check(self.conditional_lora, "conditional_lora", "True or False", lambda v: isinstance(v, bool))
-        _check(self.r, "r", "a positive integer", _positive_int)
-        _check(self.lora_alpha, "lora_alpha", "a positive number", lambda v: _number(v) and v > 0)
-        _check(self.lora_dropout, "lora_dropout", "a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+        _check(self.r, "r", "a positive integer", positive_int)
+        _check(self.lora_alpha, "lora_alpha", "a positive number", lambda v: number(v) and v > 0)
+        _check(self.lora_dropout, "lora_dropout", "a number in [0, 1)", lambda v: number(v) and 0 <= v < 1)
         if self.target_modules is not None:
             _check(
                 self.target_modules,
@@ -102,7 +104,7 @@ class CCMConfig:
     def from_dict(cls, data: dict[str, Any]) -> CCMConfig:
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
-        if not _positive_int(version):
+        if not positive_int(version):
             raise ValueError(f"{CONFIG_NAME} has format_version {version!r}; it must be a whole number such as 1.")
         if version != FORMAT_VERSION:
             raise ValueError(
@@ -139,17 +141,7 @@ class CCMConfig:
         return cls.from_dict(parse_json_object(text, path, "the file is corrupt, save it again."))
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check(value: object, name: str, allowed: str, ok: Any) -> None:
-    if not ok(value):
-        raise ValueError(f"CCMConfig.{name} must be {allowed}, got {value!r}.")
+_check = partial(check_setting, "CCMConfig")
 
 
 def base_shape(config: PretrainedConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
+from transformers_ccm.validation import positive_int
 
 
 @dataclass
@@ -111,5 +112,5 @@ def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None
 
 def _check_positive(value: object, name: str) -> None:
     """Raise a ValueError unless `value` is a positive integer (`ccm stream-eval --piece` / `--bucket`)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not positive_int(value):
         raise ValueError(f"{name} (ccm stream-eval --{name}) must be a positive integer, got {value!r}.")

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from transformers_ccm.config import CCMConfig
+from transformers_ccm.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,9 @@ class StreamingConfig:
         # mean something else) later, inside a forward.
         for name in ("window_tokens", "compress_chunk", "max_memory_tokens"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"StreamingConfig.{name} must be a positive integer, got {value!r}.")
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"StreamingConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}.")
         for name in ("compress", "keep_window_full"):
             if not isinstance(getattr(self, name), bool):
@@ -95,10 +96,6 @@ class StreamingConfig:
                 f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
                 f"exceeds the model's maximum of {max_positions} positions; lower window_tokens."
             )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,12 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -25,6 +25,7 @@ from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
+from transformers_ccm.validation import check_setting, finite_number, is_int, positive_int
 
 # "auto": bf16 on a GPU that supports it, fp32 on CPU; "bf16": bf16 autocast (mixed precision: the weights, the
 # gradients and the optimizer state stay fp32) on a GPU or a CPU with bf16 instructions; "fp32": no autocast.
@@ -178,30 +179,22 @@ class TrainingRecipe:
         # The Trainer reads steps <= 0 as "epochs instead" (3 of them), gradient_accumulation=0 divides by zero and
         # eval_every/save_every=0 fall back silently: refuse such values before any model work, naming the setting.
         for name in ("steps", "batch_size", "gradient_accumulation", "eval_every", "save_every", "log_every"):
-            _check_recipe(getattr(self, name), name, "a positive integer", _positive_int)
-        _check_recipe(self.stream_piece, "stream_piece", "a positive integer", _positive_int)
-        _check_recipe(self.warmup_ratio, "warmup_ratio", "a number in [0, 1]", lambda v: _finite(v) and 0 <= v <= 1)
-        for name in ("learning_rate", "weight_decay", "distill_weight"):  # a rate of 0 runs the loop, weights kept
-            _check_recipe(getattr(self, name), name, "a number >= 0", lambda v: _finite(v) and v >= 0)
+            _check_recipe(getattr(self, name), name, "a positive integer", positive_int)
+        _check_recipe(self.stream_piece, "stream_piece", "a positive integer", positive_int)
         _check_recipe(
-            self.distill_temperature, "distill_temperature", "a positive number", lambda v: _finite(v) and v > 0
+            self.warmup_ratio, "warmup_ratio", "a number in [0, 1]", lambda v: finite_number(v) and 0 <= v <= 1
         )
-        _check_recipe(self.seed, "seed", "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+        for name in ("learning_rate", "weight_decay", "distill_weight"):  # a rate of 0 runs the loop, weights kept
+            _check_recipe(getattr(self, name), name, "a number >= 0", lambda v: finite_number(v) and v >= 0)
+        _check_recipe(
+            self.distill_temperature, "distill_temperature", "a positive number", lambda v: finite_number(v) and v > 0
+        )
+        _check_recipe(self.seed, "seed", "an integer", is_int)
         if self.pad_to_multiple_of is not None:
-            _check_recipe(self.pad_to_multiple_of, "pad_to_multiple_of", "None or a positive integer", _positive_int)
+            _check_recipe(self.pad_to_multiple_of, "pad_to_multiple_of", "None or a positive integer", positive_int)
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_recipe(value: object, name: str, allowed: str, ok: Any) -> None:
-    if not ok(value):
-        raise ValueError(f"TrainingRecipe.{name} must be {allowed}, got {value!r}.")
+_check_recipe = partial(check_setting, "TrainingRecipe")
 
 
 def train(
@@ -298,18 +291,15 @@ def train(
     )
     sample_lengths = None
     if isinstance(collator, CCMDataCollator):
-        # Tokenized once here rather than at every batch; the lengths come from the same ids. Reading every sample
-        # now also refuses a bad one (an id outside the vocabulary) before the first step, not hours into training.
+        # Tokenized once here rather than at every batch; the lengths come from the same ids. Every sample is read
+        # now, so a bad one (an id outside the vocabulary, nothing to learn from) is refused before the first step.
         train_samples = collator.tokenized(train_samples)
-        lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
         _check_supervised(collator, train_samples, "train_samples")
         if eval_samples:
             eval_samples = collator.tokenized(eval_samples)
-            for index, sample in enumerate(eval_samples):
-                collator.sequence_length(sample, index)
             _check_supervised(collator, eval_samples, "eval_samples")
         if recipe.group_by_length:
-            sample_lengths = lengths
+            sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
     trainer = CCMTrainer(
         model=model,
         args=args,

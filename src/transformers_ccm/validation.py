@@ -1,0 +1,28 @@
+"""Checks of settings given as plain values (configs, recipes, counts): types first, so that True is not 1."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(value: object) -> bool:
+    return is_int(value) and value > 0  # type: ignore[operator]
+
+
+def number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite_number(value: object) -> bool:
+    return number(value) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def check_setting(owner: str, value: object, name: str, allowed: str, ok: Callable[[object], bool]) -> None:
+    """Raise `ValueError("<owner>.<name> must be <allowed>, got <value>")` unless `ok(value)`."""
+    if not ok(value):
+        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}.")
