@@ -11,7 +11,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_full_context_baseline
+from tiny_models import (
+    VOCAB,
+    InjectedFailure,
+    confident_tiny_llama,
+    fail_in_layer,
+    randomize_adapter,
+    tiny_base,
+    tiny_full_context_baseline,
+)
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.training import SimilarLengthSampler, TrainingRecipe, train
 
@@ -90,6 +98,38 @@ def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
     assert trainer.distill_teacher is teacher and not teacher.training
     assert all(torch.equal(value, teacher_before[name]) for name, value in teacher.state_dict().items())
     assert not torch.equal(before, model.comp_embeddings)
+
+
+def _memory_keys(model):
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+    return [layer.keys for layer in cache.layers]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_train_gives_the_model_back_in_the_mode_it_had(tmp_path, fails):
+    """The Trainer switches the model to training mode and left it there, after a run or a failed step: the LoRA's
+    dropout (and a base model's own, GPT-2's say) then made every later compress and generate random."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.5)))
+    before = _memory_keys(model)
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1, learning_rate=0.0)
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path / "out", recipe)
+        else:
+            train(model, None, samples, None, tmp_path / "out", recipe)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert not model.training and not any(module.training for module in model.modules())
+    for _ in range(2):  # no dropout: the same memory as before training (a learning rate of 0 keeps the weights)
+        assert all(torch.equal(a, b) for a, b in zip(_memory_keys(model), before, strict=True))
+    model.train()
+    train(model, None, samples, None, tmp_path / "again", recipe)
+    assert model.training
 
 
 @pytest.mark.parametrize(

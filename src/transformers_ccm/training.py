@@ -312,10 +312,16 @@ def train(
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
-    trainer.train(resume_from_checkpoint=True if resume else None)
-    # accelerate wraps the model's forward in the mixed-precision autocast for training; the caller gets the model
-    # back running as it was built (bf16 stays a choice of the training run, not of every later forward).
-    trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    was_training = model.training
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    finally:  # also when a step fails
+        # The Trainer switches the model to training mode and leaves it there: the caller gets it back in its own
+        # mode, so that dropout does not make every later compress and generate random. accelerate wraps the model's
+        # forward in the mixed-precision autocast: the caller gets the model back running as it was built (bf16
+        # stays a choice of the training run, not of every later forward).
+        model.train(was_training)
+        trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if trainer.is_world_process_zero():
         model.save_pretrained(output_dir)
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
