@@ -302,6 +302,18 @@ BAD_INPUTS = {
         lambda model, cache: model.compress(cache, [[20, 21, 22], [23]]),
         r"context_ids must be token ids .* pad rows of different lengths",
     ),
+    "a forward whose mask marks every new token as padding": (
+        lambda model, cache: model(
+            input_ids=torch.tensor([[20, 21], [22, 23]]), attention_mask=torch.zeros(2, 2), past_key_values=cache
+        ),
+        r"attention_mask marks every one of the 2 new tokens as padding.*pass at least one token with mask 1",
+    ),
+    "text as the mask of a forward": (
+        lambda model, cache: model(
+            input_ids=torch.tensor([[20, 21], [22, 23]]), attention_mask="11", past_key_values=cache
+        ),
+        r"attention_mask must be 1 \(a token\) or 0 \(padding\) per input token, .* got str",
+    ),
     "embeddings of another width": (
         lambda model, cache: model(inputs_embeds=torch.randn(2, 3, 16), past_key_values=cache),
         r"inputs_embeds must be 3-D \(batch, len, 32\), got shape \(2, 3, 16\)",
@@ -357,6 +369,36 @@ def test_generate_takes_a_prompt_mask_given_as_a_list():
         for given in (mask, torch.tensor(mask))
     ]
     assert torch.equal(*outputs)
+
+
+def test_a_forward_takes_a_mask_given_as_a_list():
+    """It failed with AttributeError: 'list' object has no attribute 'ndim'."""
+    model = tiny_ccm("llama")
+    prompt, mask = torch.tensor([[0, 20, 21], [22, 23, 24]]), [[0, 1, 1], [1, 1, 1]]
+    with torch.no_grad():
+        logits = [
+            model(input_ids=prompt, attention_mask=given, past_key_values=_filled(model)).logits
+            for given in (mask, torch.tensor(mask))
+        ]
+    assert torch.equal(*logits)
+
+
+def test_a_forward_of_padding_only_leaves_no_turn_that_nothing_can_fold(tmp_path):
+    """A forward whose new tokens were all padding left a turn of padding: generate() and save() then asked for
+    compress(), which found nothing to fold, and the cache was stuck. It is refused, with a mask of the new tokens or
+    of the turn and the new tokens; a batch in which only some rows are padding still runs, and its turn folds."""
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    with pytest.raises(ValueError, match="marks every one of the 2 new tokens as padding"):
+        model(input_ids=torch.tensor([[20, 21], [22, 23]]), attention_mask=[[0, 0], [0, 0]], past_key_values=cache)
+    assert not cache.has_unfolded_turn
+    model(input_ids=torch.tensor([[20], [21]]), past_key_values=cache)
+    with pytest.raises(ValueError, match="marks every one of the 1 new tokens as padding"):
+        model(input_ids=torch.tensor([[22], [23]]), attention_mask=[[1, 0], [1, 0]], past_key_values=cache)
+    assert cache.turn_length == 1
+    model(input_ids=torch.tensor([[22, 23], [24, 25]]), attention_mask=[[1, 0, 0], [1, 1, 1]], past_key_values=cache)
+    model.compress(cache)
+    assert cache.steps.tolist() == [3, 3] and not cache.has_unfolded_turn
 
 
 def test_labels_that_do_not_fit_a_streamed_input_leave_the_stream_as_it_was(tmp_path):

@@ -430,6 +430,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if tokens is None:
             raise ValueError("An online forward takes input_ids (or inputs_embeds).")
         self._check_tokens(tokens, name, cache)
+        if attention_mask is not None:
+            attention_mask = _as_mask(attention_mask, tokens.device, "input token")
+            new = tokens.shape[1]
+            # Padding alone would leave a turn that compress() finds nothing in to fold, and that blocks generate().
+            if cache.streaming is None and attention_mask.ndim == 2 and not attention_mask[:, -new:].bool().any():
+                raise ValueError(
+                    f"attention_mask marks every one of the {new} new tokens as padding (0), so the call would add "
+                    "nothing but padding to the turn; pass at least one token with mask 1 (a row of padding only is "
+                    "fine beside rows with tokens)."
+                )
         with cache.transaction(), self._gate.scope():
             step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
@@ -660,18 +670,23 @@ def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> to
     return (mean + noise).to(embedding.weight.dtype)
 
 
-def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> torch.Tensor:
-    """`mask` as a tensor on the device of `tokens` `(batch, len)`, of its shape: a list is fine, and one row may
-    omit the batch dimension. `name` and `entry` say in errors what it masks."""
+def _as_mask(mask: Any, device: torch.device, entry: str) -> torch.Tensor:
+    """`mask` as a tensor on `device` (a list is fine); `entry` says in errors what it masks."""
     try:
         if isinstance(mask, str):
             raise TypeError("text")
-        mask = torch.as_tensor(mask, device=tokens.device)
+        return torch.as_tensor(mask, device=device)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(
             f"attention_mask must be 1 (a token) or 0 (padding) per {entry}, as a tensor or a list of equal-length "
             f"lists, got {type(mask).__name__}."
         ) from None
+
+
+def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> torch.Tensor:
+    """`mask` as a tensor on the device of `tokens` `(batch, len)`, of its shape: a list is fine, and one row may
+    omit the batch dimension. `name` and `entry` say in errors what it masks."""
+    mask = _as_mask(mask, tokens.device, entry)
     mask = mask[None] if mask.ndim == 1 else mask
     if mask.shape != tokens.shape:
         raise ValueError(
