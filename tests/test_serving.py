@@ -196,6 +196,67 @@ def test_saving_a_cache_while_another_thread_runs_a_call_on_it_is_refused(tmp_pa
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, cache.layers, strict=True))
 
 
+@pytest.mark.parametrize("duplicate", ["copy", "deepcopy", "pickle"])
+def test_a_copy_made_during_a_call_is_free_for_every_thread(duplicate):
+    """A deep copy (or a pickle) of a cache made inside a transaction, or from a streamer or stopping criterion of a
+    running generate(), took the claim along: every other thread was then told, forever, that the copy was in use."""
+    import pickle
+
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    make = {"copy": lambda c: c.copy(), "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}
+    with cache.transaction():
+        twin = make[duplicate](cache)
+    errors = []
+
+    def elsewhere() -> None:
+        try:
+            model.compress(twin, torch.tensor([[11, 12], [13, 14]]))
+        except ValueError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert not errors
+    model.compress(cache, torch.tensor([[11, 12], [13, 14]]))
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(twin.layers, cache.layers, strict=True))
+
+
+@pytest.mark.parametrize("operation", ["copy", "deepcopy", "reorder"])
+def test_copying_or_reordering_a_cache_while_another_thread_runs_a_call_on_it_is_refused(operation):
+    """A copy read the layers half updated by the other thread's call (as a save would); a reorder changed them under
+    it. Both are refused with the fix, as a call is, and change nothing."""
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(*_: object) -> None:
+        inside.set()
+        release.wait(timeout=30)
+
+    operations = {
+        "copy": lambda: cache.copy(),
+        "deepcopy": lambda: copy.deepcopy(cache),
+        "reorder": lambda: cache.reorder_cache(torch.tensor([1, 0])),
+    }
+    alone = _filled(model)
+    model.compress(alone, torch.tensor([[10, 11], [12, 13]]))
+    handle = model.base_model.model.layers[1].register_forward_pre_hook(pause)
+    thread = threading.Thread(target=model.compress, args=(cache, torch.tensor([[10, 11], [12, 13]])))
+    try:
+        thread.start()
+        assert inside.wait(timeout=30)
+        with pytest.raises(ValueError, match="in use by a call in another thread"):
+            operations[operation]()
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, alone.layers, strict=True))
+    operations[operation]()  # free again
+
+
 # ----- failures --------------------------------------------------------------------------------------------------
 def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     cache = model.new_cache(batch)

@@ -18,6 +18,7 @@ can restore it exactly when a call fails.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -759,12 +760,13 @@ class CompressedMemoryCache(Cache):
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
     def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.rows = self.rows.map(function)
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = function(layer.keys), function(layer.values)
-                if layer.accumulated is not None:
-                    layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
+        with self.transaction():  # whole or not at all, and never under another thread's call
+            self.rows = self.rows.map(function)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys, layer.values = function(layer.keys), function(layer.values)
+                    if layer.accumulated is not None:
+                        layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -783,16 +785,28 @@ class CompressedMemoryCache(Cache):
 
     def copy(self) -> CompressedMemoryCache:
         """A cache with the same content that changes independently (tensors are replaced, never changed, so
-        they are shared until then)."""
-        clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
-        clone.__dict__.update(self.__dict__)
-        clone._user = None  # a new cache, free whoever holds this one
-        clone.layers = []
-        for layer in self.layers:
-            twin = type(layer).__new__(type(layer))
-            twin.__dict__.update(layer.__dict__)
-            clone.layers.append(twin)
+        they are shared until then). Refused while another thread runs a call on this cache, as `save` is."""
+        with self._claimed():
+            clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
+            clone.__dict__.update(self.__getstate__())
+            clone.layers = []
+            for layer in self.layers:
+                twin = type(layer).__new__(type(layer))
+                twin.__dict__.update(layer.__dict__)
+                clone.layers.append(twin)
         return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompressedMemoryCache:
+        """A copy with tensors of its own (`copy.deepcopy`), refused while another thread runs a call on this cache."""
+        with self._claimed():
+            clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
+            memo[id(self)] = clone
+            clone.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The content without the claim: a copy (or a pickle) is a new cache, free whoever holds this one."""
+        return {**self.__dict__, "_user": None}
 
     # ----- checks ------------------------------------------------------------------------------------------------
     def check_signature(self, signature: dict[str, Any]) -> None:
