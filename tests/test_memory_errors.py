@@ -327,6 +327,82 @@ def test_streaming_headers_with_values_of_the_wrong_type_are_refused(tmp_path, c
         CompressedMemoryCache.load(path, model)
 
 
+def _without_sink(tensors):
+    return {**tensors, **{name: t[:, :, 2:].contiguous() for name, t in tensors.items() if name.startswith("layers.")}}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    update=st.sampled_from(["concat", "merge", "ema"]),
+    compress=st.booleans(),
+    keep_window_full=st.booleans(),
+    cap=st.integers(2, 5),
+    pieces=st.lists(st.integers(1, 9), max_size=5),
+)
+def test_every_stream_the_model_makes_loads_back(tmp_path, update, compress, keep_window_full, cap, pieces):
+    """The checks of a stream's layout refuse no stream the model leaves."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", update=update)
+    config = StreamingConfig(
+        sink_tokens=3,
+        window_tokens=8,
+        compress_chunk=3,
+        max_memory_tokens=cap,
+        compress=compress,
+        keep_window_full=keep_window_full,
+    )
+    stream = model.new_cache(2, streaming=config)
+    for index, length in enumerate(pieces):
+        model(input_ids=torch.tensor([[3 + (index + i) % 90 for i in range(length)]] * 2), past_key_values=stream)
+    stream.save(tmp_path / "stream.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "stream.safetensors", model)
+    assert all(
+        torch.equal(a.keys, b.keys) for a, b in zip(stream.layers, loaded.layers, strict=True) if a.is_initialized
+    )
+
+
+CRAFTED_STREAMS = {
+    "rows at different steps": ({"tensors": _with("steps", torch.tensor([2, 7]))}, r"its rows are at steps \[2, 7\]"),
+    "no fold, yet memory": (
+        {"tensors": _with("steps", torch.tensor([0, 0]))},
+        r"it holds [24] memory slots, which 0 compressed chunks cannot give \((concat|merge), 2 per chunk",
+    ),
+    "memory slots that no row owns": (
+        {"tensors": lambda tensors: {**tensors, "memory_mask": torch.zeros_like(tensors["memory_mask"])}},
+        "a row does not own all of its memory slots",
+    ),
+    "a window before the sink is full": (
+        {
+            "tensors": _without_sink,
+            "metadata": _header_edit(lambda h: h["streaming"]["state"].update(sink_length=0, compressed_in_window=0)),
+        },
+        "its sink holds 0 of 2 tokens, yet memory or window tokens follow it",
+    ),
+}
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+@pytest.mark.parametrize("case", sorted(CRAFTED_STREAMS))
+def test_crafted_streams_are_refused_with_a_value_error_that_names_the_problem(tmp_path, update, case):
+    """A stream's rows fold together, its memory is owned whole and follows a full sink: a file that says otherwise
+    was loaded, and the next forward put new tokens in the sink behind the window, or restarted a merge average."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", update=update)
+    stream = model.new_cache(
+        2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    )
+    model(input_ids=torch.tensor([list(range(3, 19))] * 2), past_key_values=stream)
+    path = tmp_path / "stream.safetensors"
+    stream.save(path)
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    edits, message = CRAFTED_STREAMS[case]
+    _rewrite(path, **edits)
+    with pytest.raises(ValueError, match=message):
+        CompressedMemoryCache.load(path, model)
+
+
 def test_merge_memory_with_too_many_slots_is_refused(tmp_path):
     model = tiny_ccm("llama", update="merge")
     path = tmp_path / "user.safetensors"

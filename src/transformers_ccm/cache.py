@@ -1037,6 +1037,8 @@ class _MemoryFile:
             raise self._fail(f"a row owns more than {most} memory slots")
         if self.streaming is None:
             self._check_folds(mask, positions, steps)
+        else:
+            self._check_stream_folds(mask, steps)
 
     def _check_folds(self, mask: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> None:
         """Raise unless each row's slots and position are what its number of folded contexts gives: concat
@@ -1059,6 +1061,41 @@ class _MemoryFile:
         most = self.spec.max_positions
         if most is not None and bool((positions > most).any()):
             raise self._fail(f"'next_position' {positions.tolist()} passes the model's {most} positions")
+
+    def _check_stream_folds(self, mask: torch.Tensor, steps: torch.Tensor) -> None:
+        """Raise unless the stream is laid out as the model leaves one: its rows compress their chunks together and
+        own every memory slot, the slots are what its count of compressed chunks gives (concat: `num_comp_tokens`
+        per chunk, the newest `max_memory_tokens`; merge and EMA: `num_comp_tokens` once one was compressed), and
+        nothing follows the sink before it is full (new tokens would go to the sink, behind the window)."""
+        config, n, streaming, state = (
+            self.spec.config,
+            self.spec.config.num_comp_tokens,
+            self.streaming,
+            self.stream_state,
+        )
+        assert streaming is not None
+        if not bool((steps == steps[0]).all()):
+            raise self._fail(f"its rows are at steps {steps.tolist()}, but the rows of a stream compress together")
+        if not bool(mask.all()):
+            raise self._fail("a row does not own all of its memory slots, as every row of a stream does")
+        step, width = int(steps[0]), mask.shape[1]
+        if config.update == "concat":
+            # Clamped first, so that a crafted count cannot overflow.
+            expected = min(min(step, width + 1) * n, streaming.max_memory_tokens)
+        else:
+            expected = n if step > 0 else 0
+        if not streaming.compress:
+            expected = 0
+        if width != expected:
+            raise self._fail(
+                f"it holds {width} memory slots, which {step} compressed chunks cannot give ({config.update}, {n} per "
+                "chunk)"
+            )
+        if state["sink_length"] < streaming.sink_tokens and width + state["window_length"] > 0:
+            raise self._fail(
+                f"its sink holds {state['sink_length']} of {streaming.sink_tokens} tokens, yet memory or window tokens "
+                "follow it"
+            )
 
     def _check_layers(self) -> None:
         spec, batch, memory = self.spec, self.batch_size, self.tensors["memory_mask"].shape[1]
