@@ -363,6 +363,10 @@ def _scalar_comp(tensors):
     return {**tensors, "ccm.comp_embeddings": torch.tensor(1.0)}
 
 
+def _comp_only(tensors):
+    return {"ccm.comp_embeddings": tensors["ccm.comp_embeddings"]}
+
+
 def _lower_rank(tensors):
     key = next(k for k in tensors if "lora_A" in k)
     return {**tensors, key: tensors[key][:-1]}
@@ -379,6 +383,20 @@ def _lower_rank(tensors):
         (lambda f: _rewrite_json(f / "adapter_config.json", use_dora=True), r"use_dora=True where False"),
         (lambda f: (f / "adapter_config.json").write_text("[]"), r"adapter_config\.json must hold a JSON object"),
         (lambda f: _rewrite_weights(f / "adapter_model.safetensors", _lower_rank), r"not of rank r=8"),
+        (
+            # No LoRA weight to check the rank against: the model was built with a LoRA of rank 10**9 first.
+            lambda f: (
+                _rewrite_json(f / "ccm_config.json", r=10**9),
+                _rewrite_json(f / "adapter_config.json", r=10**9),
+                _rewrite_weights(f / "adapter_model.safetensors", _comp_only),
+            ),
+            r"adapter_model\.safetensors holds no LoRA weights",
+        ),
+        (
+            lambda f: _rewrite_json(f / "ccm_config.json", r=-3),
+            r"ccm_config\.json holds a value CCMConfig refuses: CCMConfig\.r must be a positive integer, got -3\. "
+            r"Save or download the adapter again",
+        ),
         (
             lambda f: _rewrite_weights(f / "adapter_model.safetensors", _nan_comp),
             r"adapter_model\.safetensors holds tensors with values that are not finite \['ccm\.comp_embeddings'\]",

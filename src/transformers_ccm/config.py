@@ -101,22 +101,28 @@ class CCMConfig:
         return {"format_version": FORMAT_VERSION, "ccm_version": __version__, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CCMConfig:
+    def from_dict(cls, data: dict[str, Any], source: str = CONFIG_NAME) -> CCMConfig:
+        """The config that `data` (the content of `ccm_config.json`) holds; errors name the file as `source`."""
         data = dict(data)
         version = data.pop("format_version", FORMAT_VERSION)
         if not positive_int(version):
-            raise ValueError(f"{CONFIG_NAME} has format_version {version!r}; it must be a whole number such as 1.")
+            raise ValueError(f"{source} has format_version {version!r}; it must be a whole number such as 1.")
         if version != FORMAT_VERSION:
             raise ValueError(
-                f"{CONFIG_NAME} has format_version {version!r}, but this transformers-ccm reads version "
+                f"{source} has format_version {version!r}, but this transformers-ccm reads version "
                 f"{FORMAT_VERSION}. Upgrade transformers-ccm to load this adapter."
             )
         data.pop("ccm_version", None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{CONFIG_NAME} has unknown fields {unknown}; known fields: {sorted(known)}.")
-        return cls(**data)
+            raise ValueError(f"{source} has unknown fields {unknown}; known fields: {sorted(known)}.")
+        try:
+            return cls(**data)
+        except ValueError as error:
+            raise ValueError(
+                f"{source} holds a value CCMConfig refuses: {error} Save or download the adapter again."
+            ) from None
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> str:
         """Write `ccm_config.json` into `save_directory` and return its path."""
@@ -138,7 +144,7 @@ class CCMConfig:
                 text = f.read()
         except FileNotFoundError:
             raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
-        return cls.from_dict(parse_json_object(text, path, "the file is corrupt, save it again."))
+        return cls.from_dict(parse_json_object(text, path, "the file is corrupt, save it again."), source=path)
 
 
 _check = partial(check_setting, "CCMConfig")

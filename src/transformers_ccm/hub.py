@@ -229,6 +229,8 @@ def _check_files_agree(
             f"and hidden_size={hidden} give ({config.num_comp_tokens}, {hidden})"
         )
     lora = {key: value for key, value in tensors.items() if "lora_A" in key or "lora_B" in key}
+    if not lora:  # else nothing tells the rank of ccm_config.json, and the model is built with it before any check
+        problems.append(f"{ADAPTER_WEIGHTS_NAME} holds no LoRA weights (lora_A, lora_B), only {sorted(tensors)[:3]}")
     rank_axis = {key: 0 if "lora_A" in key else 1 for key in lora}  # lora_A (r, in), lora_B (out, r)
     wrong_rank = {
         key: tuple(value.shape)
