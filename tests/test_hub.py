@@ -448,6 +448,35 @@ def test_weights_that_do_not_fit_change_nothing(tmp_path):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
+def test_a_failed_load_gives_the_given_base_model_back_as_it_was(tmp_path):
+    """from_pretrained(..., base_model=model) with weights that do not fit failed after wrapping the caller's model:
+    it kept LoRA layers, hooks and a changed attention, and the next load said it "already holds LoRA layers"."""
+    _adapter(None).save_pretrained(tmp_path / "good")
+    shutil.copytree(tmp_path / "good", tmp_path / "bad")
+    _rewrite_weights(
+        tmp_path / "bad" / "adapter_model.safetensors",
+        lambda tensors: {k: v for k, v in tensors.items() if k != next(k for k in tensors if "lora_B" in k)},
+    )
+    base = tiny_base("llama")
+    base.lm_head.requires_grad_(False)  # the caller's own choice of what trains
+    state = {name: (parameter.requires_grad, parameter.clone()) for name, parameter in base.named_parameters()}
+    modules = {name: type(module) for name, module in base.named_modules()}
+    with torch.no_grad():
+        logits = base(input_ids=PROMPT).logits
+    with pytest.raises(ValueError, match=r"do not fit this model \(missing"):
+        CCMForCausalLM.from_pretrained(tmp_path / "bad", base_model=base)
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+    assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in base.modules())
+    assert base.config._attn_implementation == "sdpa" and not hasattr(base, "peft_config")
+    for name, parameter in base.named_parameters():
+        assert parameter.requires_grad == state[name][0] and torch.equal(parameter, state[name][1]), name
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=PROMPT).logits, logits)
+    loaded = CCMForCausalLM.from_pretrained(tmp_path / "good", base_model=base).eval()
+    fresh = CCMForCausalLM.from_pretrained(tmp_path / "good", base_model=tiny_base("llama")).eval()
+    assert all(torch.equal(a, b) for a, b in zip(_answer(loaded), _answer(fresh), strict=True))
+
+
 def _beyond_float32(tensors):
     key = next(k for k in tensors if "lora_B" in k)
     too_large = tensors[key].double()

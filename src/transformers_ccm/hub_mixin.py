@@ -114,7 +114,11 @@ class AdapterHubMixin:
                 base_name, **options, **{k: v for k, v in loading.items() if v is not None}, **base_kwargs
             )
         model = cls(base, config)  # type: ignore[call-arg]
-        model._load_adapter_weights(tensors, folder)
+        try:
+            model._load_adapter_weights(tensors, folder)
+        except BaseException:
+            model._release_base()  # the caller's base model, if it gave one, is theirs again as it was
+            raise
         return model
 
     def load_adapter(
@@ -166,6 +170,10 @@ class AdapterHubMixin:
             )
         self._load_adapter_weights(tensors, folder, added_layers)
         self.config = replace(config, base_model_shape=self.config.base_model_shape)
+
+    def _release_base(self) -> None:
+        """Undo `cls(base_model, config)` on the base model (the model class implements it)."""
+        raise NotImplementedError
 
     def _load_adapter_weights(
         self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: AbstractSet[str] = frozenset()

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -69,8 +70,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         super().__init__()
         self.config = replace(config, base_model_shape=base_shape(base_model.config))
         self.base_model = base_model
-        base_model.requires_grad_(False)
+        # What `_release_base` restores; the LoRA goes in first, so that a refused one leaves the model as it was.
+        self._base_before = (
+            {name: parameter.requires_grad for name, parameter in base_model.named_parameters()},
+            base_model.config._attn_implementation,
+        )
         inject_lora(base_model, config)
+        base_model.requires_grad_(False)
         for layer in lora_layers(base_model):
             layer.lora_A.requires_grad_(True)
             layer.lora_B.requires_grad_(True)
@@ -82,7 +88,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._named_weights: dict[str, list[tuple[str, torch.Tensor]]] | None = None
         self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
-        base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
+        self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
 
     @classmethod
     def from_base(
@@ -140,6 +146,22 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"{type(self.base_model).__name__} does not take flex attention masks; use 'dense' (or 'auto')."
             )
         self.training_attention = kind
+
+    def _release_base(self) -> None:
+        """Give `base_model` back as it was before this model was built around it (a load into a caller's model
+        failed): hooks removed, each LoRA layer replaced by the layer it wraps, its attention implementation and
+        `requires_grad` flags restored. This model is unusable afterwards."""
+        requires_grad, attention = self._base_before
+        self._gate.remove()
+        self._online_hook.remove()
+        for name, module in list(self.base_model.named_modules()):
+            if isinstance(module, LoraLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.base_model.get_submodule(parent), child, module.get_base_layer())
+        del self.base_model.peft_config
+        self.base_model.set_attn_implementation(attention)
+        for name, parameter in self.base_model.named_parameters():
+            parameter.requires_grad_(requires_grad[name])
 
     def lora_at(self, comp_mask: torch.Tensor) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the LoRA acts at the `<COMP>` positions of `comp_mask`
