@@ -258,6 +258,9 @@ def test_folders_without_ccm_files_say_what_they_are(tmp_path, base_folder):
         path.write_bytes(damaged.encode() if isinstance(damaged, str) else damaged)
         with pytest.raises(FileNotFoundError, match=r"plain PEFT adapter for None without ccm_config\.json"):
             CCMForCausalLM.from_pretrained(tmp_path / "damaged")
+    (tmp_path / "peft" / "ccm_config.json").mkdir()  # a CCM adapter whose config is not a file is no plain PEFT one
+    with pytest.raises(FileNotFoundError, match=r"its ccm_config\.json is not a file"):
+        CCMForCausalLM.from_pretrained(tmp_path / "peft")
 
 
 def test_load_adapter_of_another_structure_changes_nothing(tmp_path):

@@ -247,6 +247,8 @@ def _check_files_agree(
 
 
 def _what_is_there(folder: Path) -> str:
+    if (folder / CONFIG_NAME).exists():
+        return f"its {CONFIG_NAME} is not a file; save or download the adapter again."
     if (folder / ADAPTER_CONFIG_NAME).is_file():
         try:
             peft = parse_json_object((folder / ADAPTER_CONFIG_NAME).read_bytes(), ADAPTER_CONFIG_NAME, "")
