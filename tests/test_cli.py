@@ -628,3 +628,27 @@ def test_train_refuses_streams_of_other_tasks(tiny_model, tmp_path, capsys, argu
         main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "a"), *arguments.split()])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--task", "icl", "--steps", "1"],
+        ["eval", "--adapters", "no-adapter", "--tasks", "icl", "--steps", "1", "--samples", "1"],
+        ["stream-eval", "--adapter", "no-adapter"],
+    ],
+)
+def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_path, capsys, command):
+    """A file there, or a folder that cannot be written, failed with a traceback (FileExistsError) when the results
+    were written: for eval and stream-eval, after every model had run."""
+    taken = tmp_path / "report.json"
+    taken.write_text("kept")
+    for output, message in (
+        (taken, f"{taken} is a file"),
+        (taken / "inside", f"{taken} is a file"),
+        (Path("/sys/ccm-output"), "cannot be written"),  # /sys refuses everyone, the superuser too
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(output), *command[1:]])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert taken.read_text() == "kept"

@@ -104,6 +104,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     for name in ("stream_chunks", "stream_piece"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    _check_output_dir(args.output_dir)
     torch.manual_seed(args.seed)
     streaming = (
         StreamingConfig(compress_chunk=args.compress_chunk, keep_window_full=args.keep_window_full)
@@ -411,6 +412,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"--add-to scores the tasks, time steps and samples of its report; drop {' '.join(drawing)}, or score "
             "them without --add-to."
         )
+    _check_output_dir(args.output_dir)
     results: list[dict] = []
     if args.add_to:
         results, sample_sets = _earlier_report(args.add_to, args)
@@ -529,6 +531,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}.")
     if args.tokens is not None and args.tokens < 2:
         raise ValueError(f"--tokens must be at least 2 (one token predicts the next), got {args.tokens}.")
+    _check_output_dir(args.output_dir)
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
     try:
@@ -631,6 +634,20 @@ def _check_writable(path: str) -> None:
             raise PermissionError(f"{path} is read-only")
     except OSError as error:
         raise ValueError(f"--memory-file {path} cannot be written ({error}); choose a writable place.") from None
+
+
+def _check_output_dir(path: str) -> None:
+    """Raise before any model work unless `--output-dir` is, or can become, a folder that can be written: a file
+    there (or above it) failed only when the results were written, after every model had run."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the folder is made later; its nearest existing parent must take it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output-dir {path}: {existing} is a file, not a folder; choose another --output-dir.")
+    try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
+        tempfile.NamedTemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise ValueError(f"--output-dir {path} cannot be written ({error}); choose a writable place.") from None
 
 
 def _replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
