@@ -396,6 +396,21 @@ def test_jsonl_errors(tmp_path, text, message):
         load_jsonl(tmp_path / "bad.jsonl")
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    contexts=st.lists(st.text(min_size=1), max_size=3),
+    question=st.text(min_size=1),
+    answer=st.text(),
+)
+@example(contexts=["a\u2028b", "c\x85d"], question="q\u2029", answer="x\r\ny")
+def test_jsonl_round_trip_of_any_text(tmp_path, contexts, question, answer):
+    """save_jsonl writes U+2028, U+2029 and U+0085 as they are (JSON allows them in strings), and load_jsonl split
+    lines at them too: the file it had just written was "not valid JSON"."""
+    samples = [OnlineSample(contexts, question, answer), OnlineSample(["c"], "q", "a")]
+    save_jsonl(samples, tmp_path / "text.jsonl")
+    assert load_jsonl(tmp_path / "text.jsonl") == samples
+
+
 def test_jsonl_with_a_byte_order_mark(tmp_path):
     (tmp_path / "bom.jsonl").write_text('\ufeff{"contexts": ["a"], "input": "q", "output": "x"}\n', encoding="utf-8")
     assert load_jsonl(tmp_path / "bom.jsonl") == [OnlineSample(["a"], "q", "x")]
