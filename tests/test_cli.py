@@ -652,3 +652,25 @@ def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_the_model_loads
             main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(output), *command[1:]])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert taken.read_text() == "kept"
+
+
+def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path, capsys, monkeypatch):
+    """A bad --task or --eval-task file was read only once the model had loaded (20 s for the embedded one), and a
+    folder failed with an IsADirectoryError traceback; a folder named like a built-in task was read as a file."""
+    monkeypatch.chdir(tmp_path)
+    Path("bad.jsonl").write_text('{"contexts": ["c"], "input": "q", "output": "a"}\n{"contexts": ["c"], "input": 5}\n')
+    Path("folder.jsonl").mkdir()
+    for arguments, message in (
+        (["--task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
+        (["--task", "icl", "--eval-task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
+        (["--task", "folder.jsonl"], "folder.jsonl cannot be read (Is a directory); give a JSONL file"),
+        (["--task", "missing.jsonl"], "missing.jsonl cannot be read (No such file or directory)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--model", "no-model", "--output-dir", "out", "--steps", "1", *arguments])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert not Path("out").exists()
+    Path("icl").mkdir()
+    main(["train", "--model", tiny_model, "--task", "icl", "--steps", "1", "--batch-size", "1", "--output-dir", "out"])
+    trained_on = json.loads(Path("out", "ccm_config.json").read_text())["trained_on"]
+    assert trained_on == "transformers-ccm built-in task 'icl'"

@@ -411,6 +411,16 @@ def test_jsonl_round_trip_of_any_text(tmp_path, contexts, question, answer):
     assert load_jsonl(tmp_path / "text.jsonl") == samples
 
 
+@pytest.mark.parametrize(("make", "problem"), [(lambda path: path.mkdir(), "Is a directory"), (None, "No such file")])
+def test_a_jsonl_path_that_is_not_a_readable_file_is_named(tmp_path, make, problem):
+    """A folder failed with a bare IsADirectoryError (a traceback from the ccm command)."""
+    path = tmp_path / "samples.jsonl"
+    if make:
+        make(path)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} cannot be read \(.*{problem}.*\); give a JSONL"):
+        load_jsonl(path)
+
+
 def test_jsonl_with_a_byte_order_mark(tmp_path):
     (tmp_path / "bom.jsonl").write_text('\ufeff{"contexts": ["a"], "input": "q", "output": "x"}\n', encoding="utf-8")
     assert load_jsonl(tmp_path / "bom.jsonl") == [OnlineSample(["a"], "q", "x")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
 
 def _is_file(task: str) -> bool:
     """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task."""
-    return task.endswith(".jsonl") or os.path.exists(task)
+    return task.endswith(".jsonl") or os.path.isfile(task)  # a folder named like a built-in task is not a file
 
 
 def _load_samples(
@@ -60,11 +61,12 @@ def _load_samples(
     split: str,
     count: int,
     seed: int,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Callable[[], PreTrainedTokenizerBase],
     compress_chunk: int,
     stream_length: int | None = None,
 ) -> list[OnlineSample] | list[list[int]]:
-    """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only)."""
+    """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only). `tokenizer()` gives
+    the tokenizer, called only for text tasks."""
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks import load_jsonl, make_samples
     from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
@@ -84,9 +86,9 @@ def _load_samples(
                 f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
             )
         if stream_length is not None:
-            return text_streams(tokenizer, split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
+            return text_streams(tokenizer(), split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
         return stream_samples(
-            tokenizer, split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
+            tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
     return make_samples(task, split, count, seed=seed)
 
@@ -152,11 +154,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
-    model = CCMForCausalLM.from_base(args.model, config)
-    if args.init_adapter:
-        model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
-        model.config = replace(model.config, trained_on=config.trained_on)
-    tokenizer = load_tokenizer(args.model)
+    # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
+    # only here for text tasks.
+    tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))
     train_samples = _load_samples(
         args.task,
         "train",
@@ -173,12 +173,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         if eval_task
         else None
     )
+    model = CCMForCausalLM.from_base(args.model, config)
+    if args.init_adapter:
+        model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
+        model.config = replace(model.config, trained_on=config.trained_on)
     teacher = None
     if args.distill_teacher:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
     trainer = train(
-        model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
+        model, tokenizer(), train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
     )
     wrote_adapter = trainer.is_world_process_zero()  # the process that wrote it says where; read before teardown
     if torch.distributed.is_initialized():
