@@ -19,6 +19,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.trainer_utils import get_last_checkpoint
 
+from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.json_reading import parse_json_object
@@ -248,7 +249,7 @@ def train(
             "which checkpointed layers do not fill. Train without it, or with shorter streams."
         )
     if resume:
-        _check_last_checkpoint(output_dir)
+        _check_last_checkpoint(output_dir, model.config)
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable()
     args = TrainingArguments(
@@ -389,18 +390,39 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
             )
 
 
-def _check_last_checkpoint(output_dir: str | os.PathLike[str]) -> None:
-    """Raise a ValueError naming the file if the checkpoint that `resume=True` continues from is damaged (a run
-    killed while writing it, a full disk): the Trainer loaded its adapter into the model first, then failed on the
-    rest with a bare `OSError` or `JSONDecodeError` that named no file. The adapter itself is checked as it loads."""
+# What the Trainer writes into every checkpoint besides the adapter, and needs to go on as the run went: without the
+# optimizer or the scheduler it silently starts both anew (a fresh Adam state, a second warm-up).
+CHECKPOINT_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+# The settings a resumed run must share with its checkpoint: the adapter's structure and how its memory is made.
+RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
+
+
+def _check_last_checkpoint(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
+    """Raise a ValueError naming the file if the checkpoint that `resume=True` continues from is incomplete or
+    damaged (a run killed while writing it, a full disk), or holds another adapter than `config` describes: the
+    Trainer loaded its adapter into the model first, then failed on the rest with a bare `OSError` or
+    `JSONDecodeError` that named no file, and took another update rule from it without a word. The adapter itself
+    is checked as it loads."""
     checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
     if checkpoint is None:
         return  # the Trainer says that there is nothing to resume from
     fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
+    missing = [name for name in CHECKPOINT_STATE if not os.path.isfile(os.path.join(checkpoint, name))]
+    if missing:
+        raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
     state = os.path.join(checkpoint, "trainer_state.json")
-    if os.path.isfile(state):
-        with open(state, "rb") as file:
-            parse_json_object(file.read(), state, fix)
+    with open(state, "rb") as file:
+        parse_json_object(file.read(), state, fix)
+    saved = CCMConfig.from_pretrained(checkpoint)
+    settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
+    different = [name for name in settings if getattr(saved, name) != getattr(config, name)]
+    if different:
+        details = ", ".join(f"{n}: checkpoint {getattr(saved, n)!r} vs model {getattr(config, n)!r}" for n in different)
+        raise ValueError(
+            f"{checkpoint} holds another adapter ({details}); build the model as the run that wrote it did (ccm train: "
+            "the same --update, --num-comp-tokens, --lora-r, --target-modules and --method), or train anew into "
+            "another output folder."
+        )
     for name in sorted(os.listdir(checkpoint)):
         if not name.endswith((".pt", ".pth")):
             continue
