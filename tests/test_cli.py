@@ -674,3 +674,17 @@ def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path
     main(["train", "--model", tiny_model, "--task", "icl", "--steps", "1", "--batch-size", "1", "--output-dir", "out"])
     trained_on = json.loads(Path("out", "ccm_config.json").read_text())["trained_on"]
     assert trained_on == "transformers-ccm built-in task 'icl'"
+
+
+def test_chat_goes_on_after_a_message_it_cannot_answer(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    """A message longer than the model's positions allow ended the whole chat with 'ccm chat: error: ...'; the
+    message is refused, the memory (and its file) stay as they were, and the next message is answered."""
+    memory = tmp_path / "user.safetensors"
+    arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
+    too_long = "word " * 2100  # the tiny model has 2048 positions
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Hi, I am Ann.\n{too_long}\nWhat is my name?\n"))
+    main([*arguments, "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
+    assert "ccm chat: that message was not answered (An input of 2" in captured.err
+    assert "the memory is as it was" in captured.err

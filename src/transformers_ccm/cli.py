@@ -620,7 +620,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not message or message in ("exit", "quit"):
             break
         print(f"you: {message}")
-        _print_turn(session.turn(message))
+        try:
+            report = session.turn(message)
+        except ValueError as error:  # a message the model cannot take: a failed turn leaves the memory as it was
+            print(f"ccm chat: that message was not answered ({error}); the memory is as it was.", file=sys.stderr)
+            continue
+        _print_turn(report)
         if args.memory_file:
             _save_memory(session.cache, args.memory_file)
 
