@@ -64,6 +64,16 @@ def token_ids(
     return ids
 
 
+def check_position_limit(positions: int, limit: int | None, where: str) -> None:
+    """Raise a ValueError naming `where` if `positions` positions (0 .. positions - 1) pass a model's `limit` learned
+    absolute positions (`CCMForCausalLM.absolute_position_limit`; None: no limit)."""
+    if limit is not None and positions > limit:
+        raise ValueError(
+            f"{where} reaches position {positions - 1}, past the model's {limit} learned absolute positions; shorten "
+            "its contexts, input or output."
+        )
+
+
 @dataclass
 class OnlineSample:
     """One online-inference example at time step `t = len(contexts)`.
@@ -123,6 +133,9 @@ class CCMDataCollator:
         self.config = model if isinstance(model, CCMConfig) else model.config
         # Known from a model: ids outside its vocabulary are refused when a sample is read, naming the sample.
         self.vocabulary: int | None = getattr(model, "vocabulary_size", None)
+        # Known from a model with learned absolute positions: a longer sample is refused when read, not inside the
+        # embedding at whichever training step draws it.
+        self.position_limit: int | None = getattr(model, "absolute_position_limit", None)
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.supervision = supervision
@@ -206,6 +219,11 @@ class CCMDataCollator:
                 sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True, vocabulary=vocabulary
             )
         )
+        # Ordinary tokens are numbered consecutively; the <COMP> block after the last context follows its end.
+        context_tokens = sum(map(len, contexts))
+        comp = self.config.num_comp_tokens if contexts and self.layout == "ccm" else 0
+        positions = max(context_tokens + len(inputs) + len(outputs), context_tokens + comp)
+        check_position_limit(positions, self.position_limit, f"samples[{index}]")
         return contexts, inputs, outputs
 
     def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:
