@@ -688,3 +688,15 @@ def test_chat_goes_on_after_a_message_it_cannot_answer(tiny_model, adapter, tmp_
     assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
     assert "ccm chat: that message was not answered (An input of 2" in captured.err
     assert "the memory is as it was" in captured.err
+
+
+@pytest.mark.parametrize("supervision", ["output", "stream"])
+@pytest.mark.parametrize("chunk", ["0", "-5"])
+def test_train_refuses_a_compress_chunk_below_one_before_the_model_loads(tmp_path, capsys, supervision, chunk):
+    """Text samples were cut into empty contexts ('samples[0].contexts[0] is empty') and streams 'never compress' (a
+    chunk of 0 tokens), each said only once the model had loaded, and without naming --compress-chunk."""
+    arguments = ["--task", "text", "--supervision", supervision, "--compress-chunk", chunk, "--steps", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments])
+    assert exit_info.value.code == 2 and f"--compress-chunk must be at least 1, got {chunk}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -103,9 +103,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.training import TrainingRecipe, train
 
-    for name in ("stream_chunks", "stream_piece"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
     _check_output_dir(args.output_dir)
     torch.manual_seed(args.seed)
     streaming = (
