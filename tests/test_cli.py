@@ -700,3 +700,29 @@ def test_train_refuses_a_compress_chunk_below_one_before_the_model_loads(tmp_pat
         main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments])
     assert exit_info.value.code == 2 and f"--compress-chunk must be at least 1, got {chunk}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--window-tokens", "8", "--compress-chunk", "16"], "window_tokens (8) is smaller than compress_chunk (16)"),
+        (["--sink-tokens", "-1"], "sink_tokens must be an integer >= 0, got -1"),
+        (["--max-memory-tokens", "1"], "max_memory_tokens (1) cannot hold one compressed chunk (2 <COMP> slots)"),
+    ],
+)
+def test_stream_eval_refuses_bad_sizes_before_the_model_loads(adapter, tmp_path, capsys, arguments, message):
+    """The streaming sizes were checked only once the model (20 s for the embedded one) had loaded."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "stream-eval",
+                "--model",
+                str(tmp_path / "no-model"),
+                "--adapter",
+                adapter,
+                "--output-dir",
+                str(tmp_path),
+                *arguments,
+            ]
+        )
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -522,6 +522,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
 
     import torch
 
+    from transformers_ccm.hub import read_adapter, resolve_adapter
     from transformers_ccm.stream_evaluation import plot_stream, stream_nll
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
@@ -540,12 +541,6 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
-    model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
-    if ids.shape[0] < 2:
-        raise ValueError(
-            f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
-        )
     ccm = StreamingConfig(
         window_tokens=args.window_tokens,
         sink_tokens=args.sink_tokens,
@@ -553,6 +548,14 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         max_memory_tokens=args.max_memory_tokens,
         keep_window_full=args.keep_window_full,
     )
+    # The sizes against the adapter's own settings before its model loads; the model's positions once it has.
+    ccm.validate(read_adapter(resolve_adapter(args.adapter))[0], None)
+    model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
+    if ids.shape[0] < 2:
+        raise ValueError(
+            f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
+        )
     methods = {f"ccm-{model.config.update}": ccm, "streaming_llm": ccm.same_size_baseline(model.config)}
     results = []
     for method, streaming in methods.items():
