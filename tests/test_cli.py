@@ -726,3 +726,19 @@ def test_stream_eval_refuses_bad_sizes_before_the_model_loads(adapter, tmp_path,
             ]
         )
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_or_adapter_path_that_is_no_folder_is_named(tiny_model, tmp_path, capsys):
+    """A --model path that does not exist failed with a traceback (OSError: Repo id must be in the form ...); a file
+    given as --model failed with 'config file ... is not a valid JSON file', and as an adapter went to the Hub."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a model")
+    missing = tmp_path / "missing"
+    for command, message in (
+        (["train", "--model", str(missing), "--task", "icl"], f"{missing} is neither a local folder nor a valid Hub"),
+        (["train", "--model", str(afile), "--task", "icl"], f"{afile} is a file, not a folder"),
+        (["eval", "--model", tiny_model, "--adapters", str(afile)], f"{afile} is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--output-dir", str(tmp_path / "out"), "--steps", "1"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
