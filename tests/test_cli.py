@@ -323,6 +323,8 @@ def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_
         (["--tasks", "icl", "--samples", "0"], "--samples must be at least 1, got 0"),
         (["--tasks", "icl", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # range() arg 3
         (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl has samples with no contexts"),
+        # Scored as nan, then 'Data cannot be log-scaled' in the plot, once every model had run.
+        (["--tasks", "empty-output.jsonl"], "empty-output.jsonl: sample 2 has an empty 'output'"),
     ],
 )
 def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
@@ -330,6 +332,10 @@ def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, 
     Path("no-contexts.jsonl").write_text(
         '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
         '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n'
+    )
+    Path("empty-output.jsonl").write_text(
+        '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
+        '{"contexts": ["Bob likes coffee."], "input": "Bob likes", "output": ""}\n'
     )
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])

@@ -253,3 +253,11 @@ def test_rows_past_learned_absolute_positions_are_refused_before_scoring(tokeniz
     score_samples(gpt2, tokenizer, [fits], method, "accuracy")
     with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512, past the model's 512 learned absolute"):
         score_samples(gpt2, tokenizer, [fits, too_long], method, "accuracy")
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_an_empty_output_to_score_by_perplexity_is_refused_naming_the_sample(ccm, tokenizer, method):
+    """It scored as nan (no token), and every interval of its sample set with it."""
+    samples = [OnlineSample(["Ann likes tea."], "Ann likes", " tea"), OnlineSample(["Bob is here."], "Bob", "")]
+    with pytest.raises(ValueError, match=r"samples\[1\].output is empty: perplexity needs at least one token"):
+        score_samples(ccm, tokenizer, samples, method, "perplexity")

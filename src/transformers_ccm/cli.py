@@ -274,6 +274,12 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
         own = load_jsonl(task)
         if any(sample.output is None for sample in own):
             raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
+        empty = next((number for number, sample in enumerate(own, start=1) if not sample.output), None)
+        if empty is not None:
+            raise ValueError(
+                f"{task}: sample {empty} has an empty 'output'; scoring needs at least one token of the reference "
+                "answer or text."
+            )
         metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
         if lengths[0] == 0:

@@ -152,6 +152,11 @@ def score_samples(
             for tokens in (sample.output, *(sample.choices or ()))
             if tokens is not None
         ]
+        if metric == "perplexity" and not (sample.output is not None and candidates[0]):
+            raise ValueError(
+                f"samples[{i}].output is empty: perplexity needs at least one token of it to score; give the reference "
+                "text."
+            )
         # A model with learned absolute positions (GPT-2) failed inside its embedding on a longer row; memory takes
         # the positions of the history it holds, as the plain prompt does.
         history = sum(map(len, histories[i])) if method != "no_context" else 0
