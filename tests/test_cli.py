@@ -748,3 +748,21 @@ def test_a_model_or_adapter_path_that_is_no_folder_is_named(tiny_model, tmp_path
         with pytest.raises(SystemExit) as exit_info:
             main([*command, "--output-dir", str(tmp_path / "out"), "--steps", "1"])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ("--distill-teacher some-teacher", "distill_weight is 0, so it would never be asked"),
+        ("--method full-context --distill-weight 1", "layout='full_context' trains the fine-tuned full-context"),
+        ("--task text --supervision stream --method full-context", "Training on streams needs a compression adapter"),
+        ("--task text --supervision stream --gradient-checkpointing", "Gradient checkpointing does not apply"),
+    ],
+)
+def test_train_refuses_conflicting_flags_before_the_model_loads(tmp_path, capsys, arguments, message):
+    """Each was refused by train() only once the model (and a teacher) had loaded."""
+    output = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", output, *arguments.split()])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

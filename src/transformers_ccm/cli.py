@@ -101,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.training import TrainingRecipe, train
+    from transformers_ccm.training import TrainingRecipe, check_training_setup, train
 
     _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
     _check_output_dir(args.output_dir)
@@ -152,6 +152,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
+    check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
     # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
     # only here for text tasks.
     tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))

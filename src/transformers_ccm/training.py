@@ -224,30 +224,9 @@ def train(
     recipe = recipe or TrainingRecipe()
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
+    check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
     if teacher is not None:
-        _check_teacher(model, teacher, recipe)
-    if recipe.layout == "full_context" and (model.config.conditional_lora or recipe.distill_weight):
-        raise ValueError(
-            "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
-            "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
-            f"(got conditional_lora={model.config.conditional_lora}, distill_weight={recipe.distill_weight})."
-        )
-    if recipe.streaming is not None and (recipe.layout != "ccm" or not model.config.conditional_lora):
-        raise ValueError(
-            "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
-            "full-context baseline has no memory to stream."
-        )
-    if recipe.streaming is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            "Training on streams runs in one process: each step runs many forwards through one cache before its "
-            "backward, which DDP's gradient synchronisation does not follow. Launch it without accelerate/torchrun "
-            "(one GPU), or train the parallel layout (--supervision dense) on several."
-        )
-    if recipe.streaming is not None and recipe.gradient_checkpointing:
-        raise ValueError(
-            "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
-            "which checkpointed layers do not fill. Train without it, or with shorter streams."
-        )
+        _check_teacher(model, teacher)
     if resume:
         _check_last_checkpoint(output_dir, model.config)
     if recipe.gradient_checkpointing:
@@ -437,14 +416,43 @@ def _check_last_checkpoint(output_dir: str | os.PathLike[str], config: CCMConfig
             raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
 
 
-def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM, recipe: TrainingRecipe) -> None:
-    """Raise unless `teacher` can teach `model` under `recipe`: distillation on, and the same base model shape
-    (the teacher's logits are compared with the student's token by token)."""
-    if not recipe.distill_weight:
+def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher: bool = False) -> None:
+    """Raise a ValueError unless `recipe` can train an adapter with `conditional_lora` (given a distillation
+    `teacher` or not). Settings only, no model: `ccm train` asks before any model loads."""
+    if teacher and not recipe.distill_weight:
         raise ValueError(
             "A distillation teacher was given, but distill_weight is 0, so it would never be asked; set "
             "distill_weight > 0 (ccm train --distill-weight 1) or train without a teacher."
         )
+    if recipe.layout == "full_context" and (conditional_lora or recipe.distill_weight):
+        raise ValueError(
+            "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
+            "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
+            f"(got conditional_lora={conditional_lora}, distill_weight={recipe.distill_weight})."
+        )
+    if recipe.streaming is None:
+        return
+    if recipe.layout != "ccm" or not conditional_lora:
+        raise ValueError(
+            "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
+            "full-context baseline has no memory to stream."
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "Training on streams runs in one process: each step runs many forwards through one cache before its "
+            "backward, which DDP's gradient synchronisation does not follow. Launch it without accelerate/torchrun "
+            "(one GPU), or train the parallel layout (--supervision dense) on several."
+        )
+    if recipe.gradient_checkpointing:
+        raise ValueError(
+            "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
+            "which checkpointed layers do not fill. Train without it, or with shorter streams."
+        )
+
+
+def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM) -> None:
+    """Raise unless `teacher` can teach `model`: another model, of the same base model shape (the teacher's logits
+    are compared with the student's token by token)."""
     if teacher is model:
         raise ValueError(
             "The teacher is the model being trained; leave teacher=None to distill from its own base model."
