@@ -766,3 +766,17 @@ def test_train_refuses_conflicting_flags_before_the_model_loads(tmp_path, capsys
         main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", output, *arguments.split()])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, capsys):
+    """--resume into a folder without checkpoints, or of another adapter, was refused once the model had loaded."""
+    run = tmp_path / "run"
+    shutil.copytree(adapter, run)
+    for output, arguments, message in (
+        (tmp_path / "fresh", [], "holds no checkpoint to resume from; train without --resume"),
+        (run, ["--update", "merge"], "holds another adapter (update: checkpoint 'concat' vs model 'merge')"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(output), "--resume", *arguments])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()

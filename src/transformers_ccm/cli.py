@@ -101,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.training import TrainingRecipe, check_training_setup, train
+    from transformers_ccm.training import TrainingRecipe, check_resume, check_training_setup, train
 
     _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
     _check_output_dir(args.output_dir)
@@ -153,6 +153,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
     check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
+    if args.resume:
+        check_resume(args.output_dir, config)
     # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
     # only here for text tasks.
     tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))

@@ -228,7 +228,7 @@ def train(
     if teacher is not None:
         _check_teacher(model, teacher)
     if resume:
-        _check_last_checkpoint(output_dir, model.config)
+        check_resume(output_dir, model.config)
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable()
     args = TrainingArguments(
@@ -376,15 +376,18 @@ CHECKPOINT_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
 
 
-def _check_last_checkpoint(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
-    """Raise a ValueError naming the file if the checkpoint that `resume=True` continues from is incomplete or
-    damaged (a run killed while writing it, a full disk), or holds another adapter than `config` describes: the
-    Trainer loaded its adapter into the model first, then failed on the rest with a bare `OSError` or
-    `JSONDecodeError` that named no file, and took another update rule from it without a word. The adapter itself
-    is checked as it loads."""
+def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
+    """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
+    continue with a model of `config` (settings only: `ccm train --resume` asks before any model loads). A checkpoint
+    incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
+    model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
+    adapter gave it another update rule without a word. The adapter itself is checked as it loads."""
     checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
     if checkpoint is None:
-        return  # the Trainer says that there is nothing to resume from
+        raise ValueError(
+            f"{os.fspath(output_dir)} holds no checkpoint to resume from; train without --resume (resume=False), or "
+            "give the output folder of the run to continue."
+        )
     fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
     missing = [name for name in CHECKPOINT_STATE if not os.path.isfile(os.path.join(checkpoint, name))]
     if missing:
