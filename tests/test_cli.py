@@ -780,3 +780,15 @@ def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, 
             main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(output), "--resume", *arguments])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "stream-eval", "chat", "demo"])
+def test_a_device_that_is_not_here_is_refused_before_the_model_loads(tmp_path, capsys, command):
+    """A misspelt --device failed with torch's RuntimeError traceback, and a GPU that is not there with 'Torch not
+    compiled with CUDA enabled' (or an invalid device ordinal), each once the model had loaded."""
+    output = ["--output-dir", str(tmp_path)] if command in ("eval", "stream-eval") else []
+    missing_gpu = f"cuda:{torch.cuda.device_count()}"
+    for device, message in (("gpu0", "--device gpu0 is not a device"), (missing_gpu, f"--device {missing_gpu}: ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--model", str(tmp_path / "no-model"), "--device", device, *output])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -244,6 +244,24 @@ def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+def _check_device(name: str) -> None:
+    """Raise before any model loads unless `--device` names a device this machine has (torch said so only when the
+    loaded model moved there)."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name} is not a device; give auto, cpu, cuda or cuda:<index>.") from None
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count or (device.index is not None and device.index >= count):
+        raise ValueError(f"--device {name}: this machine has {count} CUDA GPU(s); give another one, cpu or auto.")
+
+
 def _load_ccm(adapter: str, model_name: str, device: str = "auto") -> tuple[CCMForCausalLM, PreTrainedTokenizerBase]:
     from transformers_ccm.embedded import load_tokenizer, resolve_name
     from transformers_ccm.hub import read_adapter, resolve_adapter
@@ -406,6 +424,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         summarize,
     )
 
+    _check_device(args.device)
     if len(set(args.adapters)) != len(args.adapters):
         raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
     # Before any model loads: --batch-size 0 failed in range(), --samples 0 as "no samples", and --steps 0 (no
@@ -543,6 +562,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}.")
     if args.tokens is not None and args.tokens < 2:
         raise ValueError(f"--tokens must be at least 2 (one token predicts the next), got {args.tokens}.")
+    _check_device(args.device)
     _check_output_dir(args.output_dir)
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
@@ -613,6 +633,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from transformers_ccm.cache import CompressedMemoryCache
     from transformers_ccm.chat import ChatSession
 
+    _check_device(args.device)
     _check_counts(args, ["max_new_tokens"])
     if args.memory_file:
         _check_writable(args.memory_file)
@@ -718,6 +739,7 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     from transformers_ccm.chat import ChatSession, FullContextChat
 
+    _check_device(args.device)
     _check_counts(args, ["max_new_tokens", "turns"])
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
     model, tokenizer = _load_ccm(adapter, args.model, args.device)
