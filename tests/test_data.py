@@ -204,3 +204,18 @@ def test_samples_past_learned_absolute_positions_are_refused_naming_the_sample(t
         with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512"):
             train(gpt2, None, [fits, too_long], None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2))
         assert not (tmp_path / "run").exists()
+
+
+def test_a_pad_token_id_the_model_cannot_embed_is_refused_and_none_pads_with_zero():
+    """A tokenizer without a pad token gives pad_token_id=None: collating failed with a TypeError. An id outside the
+    vocabulary failed inside the embedding (padding positions are embedded, then masked) with torch's IndexError."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    samples = [OnlineSample([[5, 6]], [7], [8]), OnlineSample([[5]], [7], [8])]
+    batch = CCMDataCollator(model, pad_token_id=None)(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 0, 0, 7, 8], [5, 0, 0, 7, 8, 0]]
+    model(**batch)
+    for pad in (-1, VOCAB, 2.0, True):
+        with pytest.raises(ValueError, match=rf"CCMDataCollator.pad_token_id must be an integer in 0..{VOCAB - 1}"):
+            CCMDataCollator(model, pad_token_id=pad)
+    with pytest.raises(ValueError, match=r"CCMDataCollator.pad_token_id must be an integer >= 0"):
+        CCMDataCollator(CONFIG, pad_token_id=-1)
