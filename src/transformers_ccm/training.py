@@ -258,7 +258,7 @@ def train(
     )
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     collator = (
-        StreamCollator(recipe.streaming)
+        StreamCollator(recipe.streaming, model.vocabulary_size)
         if recipe.streaming is not None
         else CCMDataCollator(
             model,
@@ -280,6 +280,10 @@ def train(
             _check_supervised(collator, eval_samples, "eval_samples")
         if recipe.group_by_length:
             sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+    else:  # every stream read now too: one of another length, or with other ids, failed at the step that drew it
+        train_samples = collator.checked(train_samples, "train_samples")
+        if eval_samples:
+            eval_samples = collator.checked(eval_samples, "eval_samples")
     trainer = CCMTrainer(
         model=model,
         args=args,
