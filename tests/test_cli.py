@@ -325,6 +325,9 @@ def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_
         (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl has samples with no contexts"),
         # Scored as nan, then 'Data cannot be log-scaled' in the plot, once every model had run.
         (["--tasks", "empty-output.jsonl"], "empty-output.jsonl: sample 2 has an empty 'output'"),
+        # Each scored again, every row written twice into eval.json.
+        (["--tasks", "icl", "icl"], "--tasks names a task more than once: ['icl', 'icl']"),
+        (["--tasks", "icl", "--steps", "1", "2", "1"], "--steps names a time step more than once: [1, 2, 1]"),
     ],
 )
 def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):

@@ -425,8 +425,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
 
     _check_device(args.device)
-    if len(set(args.adapters)) != len(args.adapters):
-        raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
+    # A task or time step named twice was scored twice, and written twice into the report.
+    for flag, listed, what in (
+        ("adapters", args.adapters, "an adapter"),
+        ("tasks", args.tasks, "a task"),
+        ("steps", args.steps, "a time step"),
+    ):
+        if listed is not None and len(set(listed)) != len(listed):
+            raise ValueError(f"--{flag} names {what} more than once: {listed}.")
     # Before any model loads: --batch-size 0 failed in range(), --samples 0 as "no samples", and --steps 0 (no
     # memory, no full context to compare with) only once every sample was scored, dividing by zero in the summary.
     _check_counts(args, ["samples", "batch_size"])
