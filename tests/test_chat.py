@@ -128,3 +128,20 @@ def test_a_turn_that_fails_leaves_the_session_as_it_was(tmp_path, tokenizer, cha
     failing.cache.save(tmp_path / "failing.safetensors")
     clean.cache.save(tmp_path / "clean.safetensors")
     assert (tmp_path / "failing.safetensors").read_bytes() == (tmp_path / "clean.safetensors").read_bytes()
+
+
+def test_a_session_refuses_a_memory_it_cannot_hold_a_conversation_in(tokenizer, chat_model):
+    """A stream, a memory of several users or one holding a turn not yet folded was taken, and every turn then failed
+    (for `ccm chat --memory-file`, at each message typed)."""
+    from transformers_ccm import StreamingConfig
+
+    stream = chat_model.new_cache(1, streaming=StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4))
+    unfolded = chat_model.new_cache(1)
+    chat_model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=unfolded)
+    for cache, problem in (
+        (stream, "a streaming cache, which compresses by itself"),
+        (chat_model.new_cache(2), "a memory of 2 users"),
+        (unfolded, "a memory whose last turn is not folded"),
+    ):
+        with pytest.raises(ValueError, match=f"ChatSession needs one user's memory; this is {problem}"):
+            ChatSession(chat_model, tokenizer, cache)

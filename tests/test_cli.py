@@ -323,6 +323,11 @@ def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_
         (["--tasks", "icl", "--samples", "0"], "--samples must be at least 1, got 0"),
         (["--tasks", "icl", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # range() arg 3
         (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl has samples with no contexts"),
+        # Scored as nan, then 'Data cannot be log-scaled' in the plot, once every model had run.
+        (["--tasks", "empty-output.jsonl"], "empty-output.jsonl: sample 2 has an empty 'output'"),
+        # Each scored again, every row written twice into eval.json.
+        (["--tasks", "icl", "icl"], "--tasks names a task more than once: ['icl', 'icl']"),
+        (["--tasks", "icl", "--steps", "1", "2", "1"], "--steps names a time step more than once: [1, 2, 1]"),
     ],
 )
 def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
@@ -330,6 +335,10 @@ def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, 
     Path("no-contexts.jsonl").write_text(
         '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
         '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n'
+    )
+    Path("empty-output.jsonl").write_text(
+        '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
+        '{"contexts": ["Bob likes coffee."], "input": "Bob likes", "output": ""}\n'
     )
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])
@@ -628,3 +637,161 @@ def test_train_refuses_streams_of_other_tasks(tiny_model, tmp_path, capsys, argu
         main(["train", "--model", tiny_model, "--output-dir", str(tmp_path / "a"), *arguments.split()])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--task", "icl", "--steps", "1"],
+        ["eval", "--adapters", "no-adapter", "--tasks", "icl", "--steps", "1", "--samples", "1"],
+        ["stream-eval", "--adapter", "no-adapter"],
+    ],
+)
+def test_an_output_dir_that_cannot_be_a_folder_is_refused_before_the_model_loads(tmp_path, capsys, command):
+    """A file there, or a folder that cannot be written, failed with a traceback (FileExistsError) when the results
+    were written: for eval and stream-eval, after every model had run."""
+    taken = tmp_path / "report.json"
+    taken.write_text("kept")
+    for output, message in (
+        (taken, f"{taken} is a file"),
+        (taken / "inside", f"{taken} is a file"),
+        (Path("/sys/ccm-output"), "cannot be written"),  # /sys refuses everyone, the superuser too
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(output), *command[1:]])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert taken.read_text() == "kept"
+
+
+def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path, capsys, monkeypatch):
+    """A bad --task or --eval-task file was read only once the model had loaded (20 s for the embedded one), and a
+    folder failed with an IsADirectoryError traceback; a folder named like a built-in task was read as a file."""
+    monkeypatch.chdir(tmp_path)
+    Path("bad.jsonl").write_text('{"contexts": ["c"], "input": "q", "output": "a"}\n{"contexts": ["c"], "input": 5}\n')
+    Path("folder.jsonl").mkdir()
+    for arguments, message in (
+        (["--task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
+        (["--task", "icl", "--eval-task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
+        (["--task", "folder.jsonl"], "folder.jsonl cannot be read (Is a directory); give a JSONL file"),
+        (["--task", "missing.jsonl"], "missing.jsonl cannot be read (No such file or directory)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--model", "no-model", "--output-dir", "out", "--steps", "1", *arguments])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert not Path("out").exists()
+    Path("icl").mkdir()
+    main(["train", "--model", tiny_model, "--task", "icl", "--steps", "1", "--batch-size", "1", "--output-dir", "out"])
+    trained_on = json.loads(Path("out", "ccm_config.json").read_text())["trained_on"]
+    assert trained_on == "transformers-ccm built-in task 'icl'"
+
+
+def test_chat_goes_on_after_a_message_it_cannot_answer(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    """A message longer than the model's positions allow ended the whole chat with 'ccm chat: error: ...'; the
+    message is refused, the memory (and its file) stay as they were, and the next message is answered."""
+    memory = tmp_path / "user.safetensors"
+    arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
+    too_long = "word " * 2100  # the tiny model has 2048 positions
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Hi, I am Ann.\n{too_long}\nWhat is my name?\n"))
+    main([*arguments, "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
+    assert "ccm chat: that message was not answered (An input of 2" in captured.err
+    assert "the memory is as it was" in captured.err
+
+
+@pytest.mark.parametrize("supervision", ["output", "stream"])
+@pytest.mark.parametrize("chunk", ["0", "-5"])
+def test_train_refuses_a_compress_chunk_below_one_before_the_model_loads(tmp_path, capsys, supervision, chunk):
+    """Text samples were cut into empty contexts ('samples[0].contexts[0] is empty') and streams 'never compress' (a
+    chunk of 0 tokens), each said only once the model had loaded, and without naming --compress-chunk."""
+    arguments = ["--task", "text", "--supervision", supervision, "--compress-chunk", chunk, "--steps", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments])
+    assert exit_info.value.code == 2 and f"--compress-chunk must be at least 1, got {chunk}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--window-tokens", "8", "--compress-chunk", "16"], "window_tokens (8) is smaller than compress_chunk (16)"),
+        (["--sink-tokens", "-1"], "sink_tokens must be an integer >= 0, got -1"),
+        (["--max-memory-tokens", "1"], "max_memory_tokens (1) cannot hold one compressed chunk (2 <COMP> slots)"),
+    ],
+)
+def test_stream_eval_refuses_bad_sizes_before_the_model_loads(adapter, tmp_path, capsys, arguments, message):
+    """The streaming sizes were checked only once the model (20 s for the embedded one) had loaded."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "stream-eval",
+                "--model",
+                str(tmp_path / "no-model"),
+                "--adapter",
+                adapter,
+                "--output-dir",
+                str(tmp_path),
+                *arguments,
+            ]
+        )
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_or_adapter_path_that_is_no_folder_is_named(tiny_model, tmp_path, capsys):
+    """A --model path that does not exist failed with a traceback (OSError: Repo id must be in the form ...); a file
+    given as --model failed with 'config file ... is not a valid JSON file', and as an adapter went to the Hub."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a model")
+    missing = tmp_path / "missing"
+    for command, message in (
+        (["train", "--model", str(missing), "--task", "icl"], f"{missing} is neither a local folder nor a valid Hub"),
+        (["train", "--model", str(afile), "--task", "icl"], f"{afile} is a file, not a folder"),
+        (["eval", "--model", tiny_model, "--adapters", str(afile)], f"{afile} is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--output-dir", str(tmp_path / "out"), "--steps", "1"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ("--distill-teacher some-teacher", "distill_weight is 0, so it would never be asked"),
+        ("--method full-context --distill-weight 1", "layout='full_context' trains the fine-tuned full-context"),
+        ("--task text --supervision stream --method full-context", "Training on streams needs a compression adapter"),
+        ("--task text --supervision stream --gradient-checkpointing", "Gradient checkpointing does not apply"),
+    ],
+)
+def test_train_refuses_conflicting_flags_before_the_model_loads(tmp_path, capsys, arguments, message):
+    """Each was refused by train() only once the model (and a teacher) had loaded."""
+    output = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", output, *arguments.split()])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, capsys):
+    """--resume into a folder without checkpoints, or of another adapter, was refused once the model had loaded."""
+    run = tmp_path / "run"
+    shutil.copytree(adapter, run)
+    for output, arguments, message in (
+        (tmp_path / "fresh", [], "holds no checkpoint to resume from; train without --resume"),
+        (run, ["--update", "merge"], "holds another adapter (update: checkpoint 'concat' vs model 'merge')"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(output), "--resume", *arguments])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "stream-eval", "chat", "demo"])
+def test_a_device_that_is_not_here_is_refused_before_the_model_loads(tmp_path, capsys, command):
+    """A misspelt --device failed with torch's RuntimeError traceback, and a GPU that is not there with 'Torch not
+    compiled with CUDA enabled' (or an invalid device ordinal), each once the model had loaded."""
+    output = ["--output-dir", str(tmp_path)] if command in ("eval", "stream-eval") else []
+    missing_gpu = f"cuda:{torch.cuda.device_count()}"
+    for device, message in (("gpu0", "--device gpu0 is not a device"), (missing_gpu, f"--device {missing_gpu}: ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--model", str(tmp_path / "no-model"), "--device", device, *output])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -184,3 +184,38 @@ def test_tokenized_samples_collate_to_the_same_batch():
         assert torch.equal(collate(tokenized)[key], tensor), key
     without_tokenizer = [OnlineSample([[5]], "hello")]
     assert CCMDataCollator(CONFIG).tokenized(without_tokenizer) == without_tokenizer
+
+
+@pytest.mark.parametrize("layout", ["ccm", "full_context"])
+def test_samples_past_learned_absolute_positions_are_refused_naming_the_sample(tmp_path, layout):
+    """GPT-2 has 512 learned positions: a longer sample failed inside the embedding (IndexError: index out of range
+    in self) at whichever training step drew it. Rotary models have no such limit in the parallel forward (the online
+    path re-bases their positions)."""
+    from transformers_ccm.training import TrainingRecipe, train
+
+    gpt2 = tiny_ccm("gpt2", num_comp_tokens=2)
+    fits, too_long = (OnlineSample([[5] * 300], [6] * 100, [7] * k) for k in (112, 113))  # last positions 511, 512
+    collate = CCMDataCollator(gpt2, layout=layout)
+    assert collate([fits])["position_ids"].max() == 511
+    with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512, past the model's 512 learned absolute"):
+        collate([fits, too_long])
+    CCMDataCollator(tiny_ccm("llama", num_comp_tokens=2), layout=layout)([too_long])
+    if layout == "ccm":
+        with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512"):
+            train(gpt2, None, [fits, too_long], None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2))
+        assert not (tmp_path / "run").exists()
+
+
+def test_a_pad_token_id_the_model_cannot_embed_is_refused_and_none_pads_with_zero():
+    """A tokenizer without a pad token gives pad_token_id=None: collating failed with a TypeError. An id outside the
+    vocabulary failed inside the embedding (padding positions are embedded, then masked) with torch's IndexError."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    samples = [OnlineSample([[5, 6]], [7], [8]), OnlineSample([[5]], [7], [8])]
+    batch = CCMDataCollator(model, pad_token_id=None)(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 0, 0, 7, 8], [5, 0, 0, 7, 8, 0]]
+    model(**batch)
+    for pad in (-1, VOCAB, 2.0, True):
+        with pytest.raises(ValueError, match=rf"CCMDataCollator.pad_token_id must be an integer in 0..{VOCAB - 1}"):
+            CCMDataCollator(model, pad_token_id=pad)
+    with pytest.raises(ValueError, match=r"CCMDataCollator.pad_token_id must be an integer >= 0"):
+        CCMDataCollator(CONFIG, pad_token_id=-1)

@@ -238,3 +238,26 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
     without_tuned = summarize([r for r in results if r["method"] != FINETUNED])
     assert all(row[FINETUNED] is None and row["gain_recovered_finetuned"] is None for row in without_tuned)
     assert "| - | " in markdown(results, without_tuned)
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_rows_past_learned_absolute_positions_are_refused_before_scoring(tokenizer, method):
+    """GPT-2 has 512 learned positions (the tiny one): a longer plain prompt failed inside the embedding with torch's
+    IndexError, and a longer memory with an online error only once the samples before it were scored."""
+    from tiny_models import tiny_ccm
+
+    gpt2 = tiny_ccm("gpt2", num_comp_tokens=1)
+    history = 0 if method == "no_context" else 300
+    fits = OnlineSample([[5] * 300], [6] * (400 - history), [7] * 112, choices=[[7] * 112, [8]])  # 512 positions
+    too_long = OnlineSample([[5] * 300], [6] * (400 - history), [7], choices=[[7], [8] * 113])
+    score_samples(gpt2, tokenizer, [fits], method, "accuracy")
+    with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512, past the model's 512 learned absolute"):
+        score_samples(gpt2, tokenizer, [fits, too_long], method, "accuracy")
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_an_empty_output_to_score_by_perplexity_is_refused_naming_the_sample(ccm, tokenizer, method):
+    """It scored as nan (no token), and every interval of its sample set with it."""
+    samples = [OnlineSample(["Ann likes tea."], "Ann likes", " tea"), OnlineSample(["Bob is here."], "Bob", "")]
+    with pytest.raises(ValueError, match=r"samples\[1\].output is empty: perplexity needs at least one token"):
+        score_samples(ccm, tokenizer, samples, method, "perplexity")

@@ -34,11 +34,32 @@ def test_the_collator_labels_only_tokens_predicted_after_the_first_compression()
     [
         ([[5] * 19, [5] * 18], "one length, got lengths [18, 19]"),
         ([[5] * 11], "never compress: the sink and window take 10; give samples of at least 12 tokens"),
+        # torch.tensor(..., dtype=torch.long) truncated these to other tokens without a word.
+        ([[5] * 19, [5.7] * 19], "streams[1] must hold integer token ids"),
+        ([[5] * 19, [True] * 19], "streams[1] must hold integer token ids"),
+        ([[5] * 18 + [-1]], "streams[0] holds the token id -1, outside the model's vocabulary"),
+        ([[5] * 18 + [VOCAB]], f"streams[0] holds the token id {VOCAB}, outside the model's vocabulary"),
     ],
 )
 def test_the_collator_refuses_streams_it_cannot_train_on(streams, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        StreamCollator(SMALL)(streams)
+        StreamCollator(SMALL, vocabulary=VOCAB)(streams)
+
+
+def test_train_refuses_a_stream_it_cannot_train_on_before_the_first_step(tmp_path):
+    """A stream of another length (or with other ids) failed at whichever step drew it, which here is none: one step
+    of one stream trained on the first and never read the others."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    recipe = TrainingRecipe(steps=1, batch_size=1, streaming=SMALL, group_by_length=False)
+    for streams, message in (
+        ([[5] * 19] * 3 + [[5] * 18], r"one length, got lengths \[18, 19\]"),
+        ([[5] * 19] * 3 + [[5] * 18 + [VOCAB]], rf"train_samples\[3\] holds the token id {VOCAB}"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            train(model, None, streams, None, tmp_path / "out", recipe)
+        with pytest.raises(ValueError, match=message.replace("train_samples", "eval_samples")):
+            train(model, None, [[5] * 19], streams, tmp_path / "out", recipe)
+    assert not (tmp_path / "out").exists()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

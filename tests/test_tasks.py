@@ -396,6 +396,31 @@ def test_jsonl_errors(tmp_path, text, message):
         load_jsonl(tmp_path / "bad.jsonl")
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    contexts=st.lists(st.text(min_size=1), max_size=3),
+    question=st.text(min_size=1),
+    answer=st.text(),
+)
+@example(contexts=["a\u2028b", "c\x85d"], question="q\u2029", answer="x\r\ny")
+def test_jsonl_round_trip_of_any_text(tmp_path, contexts, question, answer):
+    """save_jsonl writes U+2028, U+2029 and U+0085 as they are (JSON allows them in strings), and load_jsonl split
+    lines at them too: the file it had just written was "not valid JSON"."""
+    samples = [OnlineSample(contexts, question, answer), OnlineSample(["c"], "q", "a")]
+    save_jsonl(samples, tmp_path / "text.jsonl")
+    assert load_jsonl(tmp_path / "text.jsonl") == samples
+
+
+@pytest.mark.parametrize(("make", "problem"), [(lambda path: path.mkdir(), "Is a directory"), (None, "No such file")])
+def test_a_jsonl_path_that_is_not_a_readable_file_is_named(tmp_path, make, problem):
+    """A folder failed with a bare IsADirectoryError (a traceback from the ccm command)."""
+    path = tmp_path / "samples.jsonl"
+    if make:
+        make(path)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} cannot be read \(.*{problem}.*\); give a JSONL"):
+        load_jsonl(path)
+
+
 def test_jsonl_with_a_byte_order_mark(tmp_path):
     (tmp_path / "bom.jsonl").write_text('\ufeff{"contexts": ["a"], "input": "q", "output": "x"}\n', encoding="utf-8")
     assert load_jsonl(tmp_path / "bom.jsonl") == [OnlineSample(["a"], "q", "x")]

@@ -275,14 +275,43 @@ def _flip_middle_byte(path):
 
 
 @pytest.mark.parametrize(
+    ("config", "difference"),
+    [
+        (CCMConfig(lora_dropout=0.0, update="merge"), "update: checkpoint 'concat' vs model 'merge'"),
+        (CCMConfig(lora_dropout=0.0, r=4), "r: checkpoint 8 vs model 4"),
+        (CCMConfig(lora_dropout=0.0, num_comp_tokens=3), "num_comp_tokens: checkpoint 2 vs model 3"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_adapter(tmp_path_factory, two_checkpoints, config, difference):
+    """Another update rule was taken from the checkpoint without a word (a run asked for merge went on, and was saved,
+    as concat); another structure was refused with a fix for another situation (load it with from_pretrained)."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("other") / "run"
+    shutil.copytree(folder, run)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), config)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    recipe = TrainingRecipe(steps=3, batch_size=2, save_every=1)
+    with pytest.raises(ValueError, match=rf"checkpoint-2 holds another adapter \({re.escape(difference)}\); build the"):
+        train(model, None, samples, None, run, recipe, resume=True)
+    assert model.config.update == config.update
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in folder.iterdir())
+
+
+@pytest.mark.parametrize(
     "damage",
     [
         ("optimizer.pt", lambda path: _truncate(path, 0.5), "optimizer.pt is damaged"),
         ("optimizer.pt", _flip_middle_byte, "optimizer.pt is damaged"),
         ("scheduler.pt", lambda path: path.write_bytes(b""), "scheduler.pt is damaged"),
         ("trainer_state.json", lambda path: _truncate(path, 0.5), "trainer_state.json is not valid JSON"),
+        # Missing: the Trainer failed on a bare FileNotFoundError for the state, and for the optimizer or scheduler
+        # silently started both anew (a fresh Adam state, a second warm-up).
+        ("trainer_state.json", lambda path: path.unlink(), "is incomplete: it has no trainer_state.json"),
+        ("optimizer.pt", lambda path: path.unlink(), "is incomplete: it has no optimizer.pt"),
+        ("scheduler.pt", lambda path: path.unlink(), "is incomplete: it has no scheduler.pt"),
     ],
-    ids=["cut-optimizer", "flipped-optimizer", "empty-scheduler", "cut-state"],
+    ids=["cut-optimizer", "flipped-optimizer", "empty-scheduler", "cut-state", "no-state", "no-optimizer", "no-sched"],
 )
 def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory, two_checkpoints, damage):
     """A checkpoint cut short (a run killed while writing it) failed with a bare OSError or JSONDecodeError once the

@@ -135,6 +135,8 @@ class ChatSession(_Conversation):
         max_new_tokens: int = 96,
     ) -> None:
         super().__init__(model, tokenizer, max_new_tokens)
+        if cache is not None:
+            _check_conversation_memory(cache)
         self.cache = cache if cache is not None else model.new_cache()
         self.history_tokens = 0  # what a full-context model would hold for the same conversation
 
@@ -154,6 +156,25 @@ class ChatSession(_Conversation):
             memory_bytes=self.cache.memory_bytes(),
             full_context_tokens=self.history_tokens,
             full_context_bytes=self.history_tokens * per_token,
+        )
+
+
+def _check_conversation_memory(cache: CompressedMemoryCache) -> None:
+    """Raise a ValueError, before any message is typed, unless `cache` can hold one conversation: every turn of a
+    session failed on a stream, a memory of several users, or one with a turn left unfolded."""
+    problem = (
+        "a streaming cache, which compresses by itself"
+        if cache.streaming is not None
+        else f"a memory of {cache.batch_size} users"
+        if cache.batch_size != 1
+        else "a memory whose last turn is not folded (call model.compress(cache) first)"
+        if cache.has_unfolded_turn
+        else None
+    )
+    if problem is not None:
+        raise ValueError(
+            f"ChatSession needs one user's memory; this is {problem}; start from model.new_cache() (ccm chat: "
+            "another --memory-file)."
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
 
 def _is_file(task: str) -> bool:
     """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task."""
-    return task.endswith(".jsonl") or os.path.exists(task)
+    return task.endswith(".jsonl") or os.path.isfile(task)  # a folder named like a built-in task is not a file
 
 
 def _load_samples(
@@ -60,11 +61,12 @@ def _load_samples(
     split: str,
     count: int,
     seed: int,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Callable[[], PreTrainedTokenizerBase],
     compress_chunk: int,
     stream_length: int | None = None,
 ) -> list[OnlineSample] | list[list[int]]:
-    """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only)."""
+    """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only). `tokenizer()` gives
+    the tokenizer, called only for text tasks."""
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks import load_jsonl, make_samples
     from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
@@ -84,9 +86,9 @@ def _load_samples(
                 f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
             )
         if stream_length is not None:
-            return text_streams(tokenizer, split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
+            return text_streams(tokenizer(), split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
         return stream_samples(
-            tokenizer, split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
+            tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
     return make_samples(task, split, count, seed=seed)
 
@@ -99,11 +101,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.training import TrainingRecipe, train
+    from transformers_ccm.training import TrainingRecipe, check_resume, check_training_setup, train
 
-    for name in ("stream_chunks", "stream_piece"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
+    _check_output_dir(args.output_dir)
     torch.manual_seed(args.seed)
     streaming = (
         StreamingConfig(compress_chunk=args.compress_chunk, keep_window_full=args.keep_window_full)
@@ -151,11 +152,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         config = replace(config, trained_on=f"{config.trained_on}, distilled from {args.distill_teacher}")
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
-    model = CCMForCausalLM.from_base(args.model, config)
-    if args.init_adapter:
-        model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
-        model.config = replace(model.config, trained_on=config.trained_on)
-    tokenizer = load_tokenizer(args.model)
+    check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
+    if args.resume:
+        check_resume(args.output_dir, config)
+    # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
+    # only here for text tasks.
+    tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))
     train_samples = _load_samples(
         args.task,
         "train",
@@ -172,12 +174,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         if eval_task
         else None
     )
+    model = CCMForCausalLM.from_base(args.model, config)
+    if args.init_adapter:
+        model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
+        model.config = replace(model.config, trained_on=config.trained_on)
     teacher = None
     if args.distill_teacher:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
     trainer = train(
-        model, tokenizer, train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
+        model, tokenizer(), train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
     )
     wrote_adapter = trainer.is_world_process_zero()  # the process that wrote it says where; read before teardown
     if torch.distributed.is_initialized():
@@ -238,6 +244,24 @@ def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+def _check_device(name: str) -> None:
+    """Raise before any model loads unless `--device` names a device this machine has (torch said so only when the
+    loaded model moved there)."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name} is not a device; give auto, cpu, cuda or cuda:<index>.") from None
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count or (device.index is not None and device.index >= count):
+        raise ValueError(f"--device {name}: this machine has {count} CUDA GPU(s); give another one, cpu or auto.")
+
+
 def _load_ccm(adapter: str, model_name: str, device: str = "auto") -> tuple[CCMForCausalLM, PreTrainedTokenizerBase]:
     from transformers_ccm.embedded import load_tokenizer, resolve_name
     from transformers_ccm.hub import read_adapter, resolve_adapter
@@ -271,6 +295,12 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
         own = load_jsonl(task)
         if any(sample.output is None for sample in own):
             raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
+        empty = next((number for number, sample in enumerate(own, start=1) if not sample.output), None)
+        if empty is not None:
+            raise ValueError(
+                f"{task}: sample {empty} has an empty 'output'; scoring needs at least one token of the reference "
+                "answer or text."
+            )
         metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
         if lengths[0] == 0:
@@ -394,8 +424,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
         summarize,
     )
 
-    if len(set(args.adapters)) != len(args.adapters):
-        raise ValueError(f"--adapters names an adapter more than once: {args.adapters}.")
+    _check_device(args.device)
+    # A task or time step named twice was scored twice, and written twice into the report.
+    for flag, listed, what in (
+        ("adapters", args.adapters, "an adapter"),
+        ("tasks", args.tasks, "a task"),
+        ("steps", args.steps, "a time step"),
+    ):
+        if listed is not None and len(set(listed)) != len(listed):
+            raise ValueError(f"--{flag} names {what} more than once: {listed}.")
     # Before any model loads: --batch-size 0 failed in range(), --samples 0 as "no samples", and --steps 0 (no
     # memory, no full context to compare with) only once every sample was scored, dividing by zero in the summary.
     _check_counts(args, ["samples", "batch_size"])
@@ -411,6 +448,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             f"--add-to scores the tasks, time steps and samples of its report; drop {' '.join(drawing)}, or score "
             "them without --add-to."
         )
+    _check_output_dir(args.output_dir)
     results: list[dict] = []
     if args.add_to:
         results, sample_sets = _earlier_report(args.add_to, args)
@@ -518,6 +556,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
 
     import torch
 
+    from transformers_ccm.hub import read_adapter, resolve_adapter
     from transformers_ccm.stream_evaluation import plot_stream, stream_nll
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
@@ -529,18 +568,14 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}.")
     if args.tokens is not None and args.tokens < 2:
         raise ValueError(f"--tokens must be at least 2 (one token predicts the next), got {args.tokens}.")
+    _check_device(args.device)
+    _check_output_dir(args.output_dir)
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
     try:
         text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
-    model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
-    if ids.shape[0] < 2:
-        raise ValueError(
-            f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
-        )
     ccm = StreamingConfig(
         window_tokens=args.window_tokens,
         sink_tokens=args.sink_tokens,
@@ -548,6 +583,14 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         max_memory_tokens=args.max_memory_tokens,
         keep_window_full=args.keep_window_full,
     )
+    # The sizes against the adapter's own settings before its model loads; the model's positions once it has.
+    ccm.validate(read_adapter(resolve_adapter(args.adapter))[0], None)
+    model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
+    if ids.shape[0] < 2:
+        raise ValueError(
+            f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
+        )
     methods = {f"ccm-{model.config.update}": ccm, "streaming_llm": ccm.same_size_baseline(model.config)}
     results = []
     for method, streaming in methods.items():
@@ -596,6 +639,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from transformers_ccm.cache import CompressedMemoryCache
     from transformers_ccm.chat import ChatSession
 
+    _check_device(args.device)
     _check_counts(args, ["max_new_tokens"])
     if args.memory_file:
         _check_writable(args.memory_file)
@@ -613,7 +657,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not message or message in ("exit", "quit"):
             break
         print(f"you: {message}")
-        _print_turn(session.turn(message))
+        try:
+            report = session.turn(message)
+        except ValueError as error:  # a message the model cannot take: a failed turn leaves the memory as it was
+            print(f"ccm chat: that message was not answered ({error}); the memory is as it was.", file=sys.stderr)
+            continue
+        _print_turn(report)
         if args.memory_file:
             _save_memory(session.cache, args.memory_file)
 
@@ -631,6 +680,20 @@ def _check_writable(path: str) -> None:
             raise PermissionError(f"{path} is read-only")
     except OSError as error:
         raise ValueError(f"--memory-file {path} cannot be written ({error}); choose a writable place.") from None
+
+
+def _check_output_dir(path: str) -> None:
+    """Raise before any model work unless `--output-dir` is, or can become, a folder that can be written: a file
+    there (or above it) failed only when the results were written, after every model had run."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the folder is made later; its nearest existing parent must take it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output-dir {path}: {existing} is a file, not a folder; choose another --output-dir.")
+    try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
+        tempfile.NamedTemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise ValueError(f"--output-dir {path} cannot be written ({error}); choose a writable place.") from None
 
 
 def _replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
@@ -682,6 +745,7 @@ def demo_script(name: str, job: str, friend: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> None:
     from transformers_ccm.chat import ChatSession, FullContextChat
 
+    _check_device(args.device)
     _check_counts(args, ["max_new_tokens", "turns"])
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
     model, tokenizer = _load_ccm(adapter, args.model, args.device)

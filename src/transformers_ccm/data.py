@@ -11,6 +11,7 @@ import torch
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import sample_layout
+from transformers_ccm.validation import check_setting, is_int
 
 if TYPE_CHECKING:
     from transformers_ccm.modeling import CCMForCausalLM
@@ -64,6 +65,16 @@ def token_ids(
     return ids
 
 
+def check_position_limit(positions: int, limit: int | None, where: str) -> None:
+    """Raise a ValueError naming `where` if `positions` positions (0 .. positions - 1) pass a model's `limit` learned
+    absolute positions (`CCMForCausalLM.absolute_position_limit`; None: no limit)."""
+    if limit is not None and positions > limit:
+        raise ValueError(
+            f"{where} reaches position {positions - 1}, past the model's {limit} learned absolute positions; shorten "
+            "its contexts, input or output."
+        )
+
+
 @dataclass
 class OnlineSample:
     """One online-inference example at time step `t = len(contexts)`.
@@ -91,9 +102,11 @@ class CCMDataCollator:
 
     The batch holds `input_ids`, `segment_ids`, `comp_mask`, `position_ids` (all `(batch, seq)`) and, when
     any sample has an output (or with dense supervision, a second context), `labels` (-100 where no loss
-    applies). Ids at `<COMP>` and padding positions are `pad_token_id` and never read.
+    applies). Ids at `<COMP>` and padding positions are `pad_token_id`: no output depends on them.
 
     Args:
+        pad_token_id: the id written there, one the model can embed (padding positions are embedded, then masked);
+            None (a tokenizer without a pad token): 0.
         supervision: `"output"` (the paper): next-token loss on `O(t)` only. `"dense"`: also on every token of
             every context `c(j)`, `j >= 2`, but its first, which in the parallel forward see only `Mem(j-1)` and
             the context itself, so the memory is trained to predict what comes next (AutoCompressors,
@@ -109,7 +122,7 @@ class CCMDataCollator:
         self,
         model: CCMForCausalLM | CCMConfig,
         tokenizer: Tokenizer | None = None,
-        pad_token_id: int = 0,
+        pad_token_id: int | None = 0,
         supervision: Supervision = "output",
         layout: Layout = "ccm",
         pad_to_multiple_of: int | None = None,
@@ -123,6 +136,19 @@ class CCMDataCollator:
         self.config = model if isinstance(model, CCMConfig) else model.config
         # Known from a model: ids outside its vocabulary are refused when a sample is read, naming the sample.
         self.vocabulary: int | None = getattr(model, "vocabulary_size", None)
+        pad_token_id = 0 if pad_token_id is None else pad_token_id
+        vocabulary = self.vocabulary
+        allowed = "an integer >= 0" if vocabulary is None else f"an integer in 0..{vocabulary - 1} (the vocabulary)"
+        check_setting(
+            "CCMDataCollator",
+            pad_token_id,
+            "pad_token_id",
+            f"{allowed}, or None",
+            lambda v: is_int(v) and 0 <= v < (vocabulary or v + 1),  # type: ignore[operator]
+        )
+        # Known from a model with learned absolute positions: a longer sample is refused when read, not inside the
+        # embedding at whichever training step draws it.
+        self.position_limit: int | None = getattr(model, "absolute_position_limit", None)
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.supervision = supervision
@@ -206,6 +232,11 @@ class CCMDataCollator:
                 sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True, vocabulary=vocabulary
             )
         )
+        # Ordinary tokens are numbered consecutively; the <COMP> block after the last context follows its end.
+        context_tokens = sum(map(len, contexts))
+        comp = self.config.num_comp_tokens if contexts and self.layout == "ccm" else 0
+        positions = max(context_tokens + len(inputs) + len(outputs), context_tokens + comp)
+        check_position_limit(positions, self.position_limit, f"samples[{index}]")
         return contexts, inputs, outputs
 
     def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:

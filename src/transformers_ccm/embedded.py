@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -50,10 +52,26 @@ def resolve_name(name_or_path: str | os.PathLike[str]) -> str:
     return EMBEDDED_MODEL_ID if os.fspath(name_or_path) == DEFAULT_MODEL else os.fspath(name_or_path)
 
 
+def check_local_or_hub(name_or_path: str | os.PathLike[str], fix: str) -> None:
+    """Raise a FileNotFoundError ending in `fix` unless `name_or_path` is a local folder or could be a Hub id: a file,
+    or a path that does not exist, failed inside transformers or huggingface_hub with words about JSON or repo ids,
+    or was looked up on the Hub."""
+    name = os.fspath(name_or_path)
+    if os.path.isdir(name):
+        return
+    if os.path.exists(name):
+        raise FileNotFoundError(f"{name} is a file, not a folder; {fix}")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(f"{name} is neither a local folder nor a valid Hub repo id; {fix}") from None
+
+
 def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any:
     """`auto_class.from_pretrained`, reading the embedded GGUF file for the default model."""
     folder = _embedded(name_or_path)
     if folder is None:
+        check_local_or_hub(name_or_path, "give a model's folder, its Hub id or 'default'.")
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
     require("gguf", "Reading the embedded model")

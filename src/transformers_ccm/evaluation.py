@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import OnlineSample, token_ids
+from transformers_ccm.data import OnlineSample, check_position_limit, token_ids
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 
@@ -147,9 +147,21 @@ def score_samples(
     ]
     questions = [token_ids(s.input, tokenizer, f"samples[{i}].input", True, vocabulary) for i, s in enumerate(samples)]
     for i, sample in enumerate(samples):
-        for tokens in (sample.output, *(sample.choices or ())):
-            if tokens is not None:
-                token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary)
+        candidates = [
+            token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary)
+            for tokens in (sample.output, *(sample.choices or ()))
+            if tokens is not None
+        ]
+        if metric == "perplexity" and not (sample.output is not None and candidates[0]):
+            raise ValueError(
+                f"samples[{i}].output is empty: perplexity needs at least one token of it to score; give the reference "
+                "text."
+            )
+        # A model with learned absolute positions (GPT-2) failed inside its embedding on a longer row; memory takes
+        # the positions of the history it holds, as the plain prompt does.
+        history = sum(map(len, histories[i])) if method != "no_context" else 0
+        longest = max(map(len, candidates), default=0)
+        check_position_limit(history + len(questions[i]) + longest, model.absolute_position_limit, f"samples[{i}]")
     order = sorted(range(len(samples)), key=lambda i: sum(map(len, histories[i])) + len(questions[i]))
     for begin in range(0, len(samples), batch_size):
         indices = order[begin : begin + batch_size]

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from transformers_ccm.config import CONFIG_NAME, CCMConfig
+from transformers_ccm.embedded import check_local_or_hub
 from transformers_ccm.json_reading import parse_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -147,6 +148,7 @@ def resolve_adapter(
     path = Path(name_or_path)
     if path.is_dir():
         return path
+    check_local_or_hub(path, "give an adapter's folder, its Hub id or ccm:<name>.")
     try:
         folder = snapshot_download(
             str(name_or_path),

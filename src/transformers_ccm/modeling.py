@@ -128,6 +128,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Rows of the input embedding: token ids must lie in `0..vocabulary_size - 1`."""
         return self.base_model.get_input_embeddings().num_embeddings
 
+    @property
+    def absolute_position_limit(self) -> int | None:
+        """How many learned absolute positions the base model has (GPT-2's 1024), which no position may reach or
+        pass; None for rotary models, whose positions are relative (the online path re-bases them)."""
+        return None if self._rotation is not None else getattr(self._text_config, "max_position_embeddings", None)
+
     def embed(self, input_ids: torch.Tensor, comp_mask: torch.Tensor) -> torch.Tensor:
         """`(batch, seq, hidden)` input embeddings; `<COMP>` positions take `comp_embeddings` (ids ignored)."""
         ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from transformers_ccm.data import IGNORE_INDEX
+from transformers_ccm.data import IGNORE_INDEX, token_ids
 from transformers_ccm.distillation import kl_to_teacher, plain_prompt_logits
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
@@ -30,13 +30,18 @@ def tokens_before_compression(streaming: StreamingConfig) -> int:
 
 class StreamCollator:
     """Stacks streams of one length into `input_ids` and `labels` `(batch, length)`; labels are -100 up to and
-    including the first token after the sink and window fill, whose prediction no memory has yet touched."""
+    including the first token after the sink and window fill, whose prediction no memory has yet touched. With
+    `vocabulary` (the model's number of embeddings), ids must be below it."""
 
-    def __init__(self, streaming: StreamingConfig) -> None:
+    def __init__(self, streaming: StreamingConfig, vocabulary: int | None = None) -> None:
         self.streaming = streaming
+        self.vocabulary = vocabulary
 
-    def __call__(self, streams: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-        lengths = {len(stream) for stream in streams}
+    def checked(self, streams: Sequence[Sequence[int]], name: str = "streams") -> list[list[int]]:
+        """`streams` (named `name` in errors) as lists of token ids; raise a ValueError unless they are integer ids
+        of the vocabulary, of one length long enough to compress."""
+        rows = [token_ids(stream, None, f"{name}[{i}]", vocabulary=self.vocabulary) for i, stream in enumerate(streams)]
+        lengths = {len(row) for row in rows}
         if len(lengths) != 1:
             raise ValueError(f"Stream samples must all have one length, got lengths {sorted(lengths)}.")
         length, warm = lengths.pop(), tokens_before_compression(self.streaming)
@@ -45,7 +50,12 @@ class StreamCollator:
                 f"Stream samples of {length} tokens never compress: the sink and window take {warm}; give samples of "
                 f"at least {warm + 2} tokens (a few chunks of {self.streaming.compress_chunk} more teach the memory)."
             )
-        input_ids = torch.tensor([list(stream) for stream in streams], dtype=torch.long)
+        return rows
+
+    def __call__(self, streams: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        warm = tokens_before_compression(self.streaming)
+        # Checked, not cast: torch.tensor(..., dtype=torch.long) turns 5.7 into token 5 without a word.
+        input_ids = torch.tensor(self.checked(streams), dtype=torch.long)
         labels = input_ids.clone()
         labels[:, : warm + 1] = IGNORE_INDEX
         return {"input_ids": input_ids, "labels": labels}

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.trainer_utils import get_last_checkpoint
 
+from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.json_reading import parse_json_object
@@ -223,32 +224,11 @@ def train(
     recipe = recipe or TrainingRecipe()
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
+    check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
     if teacher is not None:
-        _check_teacher(model, teacher, recipe)
-    if recipe.layout == "full_context" and (model.config.conditional_lora or recipe.distill_weight):
-        raise ValueError(
-            "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
-            "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
-            f"(got conditional_lora={model.config.conditional_lora}, distill_weight={recipe.distill_weight})."
-        )
-    if recipe.streaming is not None and (recipe.layout != "ccm" or not model.config.conditional_lora):
-        raise ValueError(
-            "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
-            "full-context baseline has no memory to stream."
-        )
-    if recipe.streaming is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            "Training on streams runs in one process: each step runs many forwards through one cache before its "
-            "backward, which DDP's gradient synchronisation does not follow. Launch it without accelerate/torchrun "
-            "(one GPU), or train the parallel layout (--supervision dense) on several."
-        )
-    if recipe.streaming is not None and recipe.gradient_checkpointing:
-        raise ValueError(
-            "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
-            "which checkpointed layers do not fill. Train without it, or with shorter streams."
-        )
+        _check_teacher(model, teacher)
     if resume:
-        _check_last_checkpoint(output_dir)
+        check_resume(output_dir, model.config)
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable()
     args = TrainingArguments(
@@ -278,7 +258,7 @@ def train(
     )
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     collator = (
-        StreamCollator(recipe.streaming)
+        StreamCollator(recipe.streaming, model.vocabulary_size)
         if recipe.streaming is not None
         else CCMDataCollator(
             model,
@@ -300,6 +280,10 @@ def train(
             _check_supervised(collator, eval_samples, "eval_samples")
         if recipe.group_by_length:
             sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+    else:  # every stream read now too: one of another length, or with other ids, failed at the step that drew it
+        train_samples = collator.checked(train_samples, "train_samples")
+        if eval_samples:
+            eval_samples = collator.checked(eval_samples, "eval_samples")
     trainer = CCMTrainer(
         model=model,
         args=args,
@@ -389,18 +373,42 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
             )
 
 
-def _check_last_checkpoint(output_dir: str | os.PathLike[str]) -> None:
-    """Raise a ValueError naming the file if the checkpoint that `resume=True` continues from is damaged (a run
-    killed while writing it, a full disk): the Trainer loaded its adapter into the model first, then failed on the
-    rest with a bare `OSError` or `JSONDecodeError` that named no file. The adapter itself is checked as it loads."""
+# What the Trainer writes into every checkpoint besides the adapter, and needs to go on as the run went: without the
+# optimizer or the scheduler it silently starts both anew (a fresh Adam state, a second warm-up).
+CHECKPOINT_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+# The settings a resumed run must share with its checkpoint: the adapter's structure and how its memory is made.
+RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
+
+
+def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
+    """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
+    continue with a model of `config` (settings only: `ccm train --resume` asks before any model loads). A checkpoint
+    incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
+    model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
+    adapter gave it another update rule without a word. The adapter itself is checked as it loads."""
     checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
     if checkpoint is None:
-        return  # the Trainer says that there is nothing to resume from
+        raise ValueError(
+            f"{os.fspath(output_dir)} holds no checkpoint to resume from; train without --resume (resume=False), or "
+            "give the output folder of the run to continue."
+        )
     fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
+    missing = [name for name in CHECKPOINT_STATE if not os.path.isfile(os.path.join(checkpoint, name))]
+    if missing:
+        raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
     state = os.path.join(checkpoint, "trainer_state.json")
-    if os.path.isfile(state):
-        with open(state, "rb") as file:
-            parse_json_object(file.read(), state, fix)
+    with open(state, "rb") as file:
+        parse_json_object(file.read(), state, fix)
+    saved = CCMConfig.from_pretrained(checkpoint)
+    settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
+    different = [name for name in settings if getattr(saved, name) != getattr(config, name)]
+    if different:
+        details = ", ".join(f"{n}: checkpoint {getattr(saved, n)!r} vs model {getattr(config, n)!r}" for n in different)
+        raise ValueError(
+            f"{checkpoint} holds another adapter ({details}); build the model as the run that wrote it did (ccm train: "
+            "the same --update, --num-comp-tokens, --lora-r, --target-modules and --method), or train anew into "
+            "another output folder."
+        )
     for name in sorted(os.listdir(checkpoint)):
         if not name.endswith((".pt", ".pth")):
             continue
@@ -415,14 +423,43 @@ def _check_last_checkpoint(output_dir: str | os.PathLike[str]) -> None:
             raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
 
 
-def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM, recipe: TrainingRecipe) -> None:
-    """Raise unless `teacher` can teach `model` under `recipe`: distillation on, and the same base model shape
-    (the teacher's logits are compared with the student's token by token)."""
-    if not recipe.distill_weight:
+def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher: bool = False) -> None:
+    """Raise a ValueError unless `recipe` can train an adapter with `conditional_lora` (given a distillation
+    `teacher` or not). Settings only, no model: `ccm train` asks before any model loads."""
+    if teacher and not recipe.distill_weight:
         raise ValueError(
             "A distillation teacher was given, but distill_weight is 0, so it would never be asked; set "
             "distill_weight > 0 (ccm train --distill-weight 1) or train without a teacher."
         )
+    if recipe.layout == "full_context" and (conditional_lora or recipe.distill_weight):
+        raise ValueError(
+            "layout='full_context' trains the fine-tuned full-context baseline: a LoRA at every position "
+            "(build the model with transformers_ccm.baseline.full_context_config(config)) and no distillation "
+            f"(got conditional_lora={conditional_lora}, distill_weight={recipe.distill_weight})."
+        )
+    if recipe.streaming is None:
+        return
+    if recipe.layout != "ccm" or not conditional_lora:
+        raise ValueError(
+            "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
+            "full-context baseline has no memory to stream."
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "Training on streams runs in one process: each step runs many forwards through one cache before its "
+            "backward, which DDP's gradient synchronisation does not follow. Launch it without accelerate/torchrun "
+            "(one GPU), or train the parallel layout (--supervision dense) on several."
+        )
+    if recipe.gradient_checkpointing:
+        raise ValueError(
+            "Gradient checkpointing does not apply to training on streams: each piece's forward keeps a cache, "
+            "which checkpointed layers do not fill. Train without it, or with shorter streams."
+        )
+
+
+def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM) -> None:
+    """Raise unless `teacher` can teach `model`: another model, of the same base model shape (the teacher's logits
+    are compared with the student's token by token)."""
     if teacher is model:
         raise ValueError(
             "The teacher is the model being trained; leave teacher=None to distill from its own base model."

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,11 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
         text = Path(path).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not UTF-8 text ({error}); save it as UTF-8.") from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    except OSError as error:  # a folder, a file gone or unreadable
+        raise ValueError(f"{path} cannot be read ({error.strerror or error}); give a JSONL file of samples.") from None
+    # Lines end at "\n", "\r\n" or "\r", which a JSON string cannot hold unescaped; splitlines() also split at U+2028,
+    # U+2029 and U+0085, which JSON strings may hold as they are, and save_jsonl writes them so.
+    for number, line in enumerate(re.split(r"\r\n?|\n", text), start=1):
         if not line.strip():
             continue
         record = parse_json(line, f"{path}:{number}", "write one JSON object per line.")
