@@ -144,7 +144,7 @@ class CCMDataCollator:
             pad_token_id,
             "pad_token_id",
             f"{allowed}, or None",
-            lambda v: is_int(v) and 0 <= v < (vocabulary or v + 1),  # type: ignore[operator]
+            lambda v: is_int(v) and v >= 0 and (vocabulary is None or v < vocabulary),
         )
         # Known from a model with learned absolute positions: a longer sample is refused when read, not inside the
         # embedding at whichever training step draws it.
