@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, BloomConfig, T5Config, T5ForConditionalGeneration
 
 from tiny_models import tiny_base
-from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 
 
 def test_model_without_attention_interface_is_refused():
@@ -51,3 +51,35 @@ def test_user_config_is_not_modified():
     model = CCMForCausalLM.from_base(tiny_base("llama"), config)
     assert config.base_model_name_or_path is None
     assert model.config is not config
+
+
+def _memory_logits(model):
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[20, 21]]), past_key_values=cache).logits
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
+def test_switching_the_base_models_attention_after_wrapping_is_refused_with_the_fix(implementation):
+    """Switched on the base model, the attention would lose CCM's masks and merged memory (eager added a boolean mask
+    as numbers, flex crashed the process); each call refuses it before anything runs, naming the model's own switch,
+    which keeps CCM's attention around the implementation asked for and gives the same logits."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge"))
+    expected = _memory_logits(model)
+    cache = model.new_cache()
+    model.base_model.set_attn_implementation(implementation)
+    with pytest.raises(ValueError, match=r"model\.set_attn_implementation"):
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match=r"model\.set_attn_implementation"):
+        model.generate(torch.tensor([[20, 21]]), past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"model\.set_attn_implementation"):
+        model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])]))
+    assert cache.memory_length == 0 and not cache.has_unfolded_turn
+    for switched in ("eager", "sdpa"):
+        model.set_attn_implementation(switched)
+        assert model.base_model.config._attn_implementation == f"ccm_{switched}"
+        torch.testing.assert_close(_memory_logits(model), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="'sdpa' or 'eager'"):
+        model.set_attn_implementation("flex_attention")
+    assert model.base_model.config._attn_implementation == "ccm_sdpa"

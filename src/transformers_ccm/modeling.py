@@ -153,6 +153,25 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
         self.training_attention = kind
 
+    def set_attn_implementation(self, implementation: str) -> None:
+        """Run the base model's attention with `"sdpa"` or `"eager"`, inside CCM's attention (which adds the memory and
+        the `<COMP>` masks). Switching the base model itself (`base_model.set_attn_implementation`) would drop it; calls
+        then refuse to run."""
+        if implementation not in WRAPPED_IMPLEMENTATIONS:
+            raise ValueError(
+                f"CCM runs its memory inside 'sdpa' or 'eager' attention, got {implementation!r}; pass one of those."
+            )
+        self.base_model.set_attn_implementation(ccm_attention_name(implementation))
+
+    def _check_attention(self) -> None:
+        """Raise if the base model's attention was switched away from CCM's after it was wrapped."""
+        current = self.base_model.config._attn_implementation
+        if wrapped_implementation(current) is None:
+            raise ValueError(
+                f"The base model's attention is {current!r}, which lacks CCM's memory and <COMP> masks (it was "
+                "switched after the model was wrapped); switch with model.set_attn_implementation('sdpa' or 'eager')."
+            )
+
     def _release_base(self) -> None:
         """Give `base_model` back as it was before this model was built around it (a load into a caller's model
         failed): hooks removed, each LoRA layer replaced by the layer it wraps, its attention implementation and
@@ -239,6 +258,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 **{CACHE_ARGUMENT: past_key_values},
                 **kwargs,
             )
+        self._check_attention()
         if segment_ids is None or comp_mask is None or position_ids is None or input_ids is None:
             raise ValueError(
                 "The training forward needs input_ids, segment_ids, comp_mask and position_ids (a CCMDataCollator "
@@ -592,13 +612,14 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         return cached[1]
 
     def _check_cache(self, cache: CompressedMemoryCache) -> None:
-        """Raise unless `cache` is free (no other thread runs a call on it), was made by this model, with these
-        weights, and lives on its device."""
+        """Raise unless `cache` is free (no other thread runs a call on it), the model still attends through CCM's
+        attention, and the cache was made by this model, with these weights, and lives on its device."""
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(
                 f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}."
             )
         cache.check_free()
+        self._check_attention()
         cache.check_signature(self.memory_signature())
         cache.check_device(self.device)
 
