@@ -6,10 +6,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from tiny_models import ARCHITECTURES, VOCAB, tiny_base, tiny_ccm
-from transformers_ccm import CCMDataCollator, OnlineSample
+from tiny_models import ARCHITECTURES, VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 
 TOLERANCE = 1e-4
 tokens = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=5)
@@ -323,3 +324,35 @@ def test_row_with_empty_mask_keeps_its_memory(update):
     for layer, old in zip(cache.layers, before, strict=True):
         row = layer.keys[1][:, cache.memory_mask[1]]
         assert torch.equal(row, old[:, : row.shape[1]] if update == "concat" else old)
+
+
+def _folded_rows(model, cache, sequences, real_lengths):
+    """Fold the cache's turn and check each row's memory against compressing the row's real turn alone."""
+    model.compress(cache)
+    for row, length in enumerate(real_lengths):
+        alone = model.new_cache()
+        model.compress(alone, sequences[row : row + 1, :length])
+        assert int(cache.next_position[row]) == int(alone.next_position[0])
+        for layer, single in zip(cache.layers, alone.layers, strict=True):
+            torch.testing.assert_close(layer.keys[row : row + 1], single.keys, atol=1e-5, rtol=0)
+
+
+def test_settings_saved_on_the_base_model_apply_beside_a_generation_config():
+    """A GenerationConfig given to generate() takes what it leaves unset from the base model's generation_config, as
+    transformers does: a saved num_beams failed with a batch-size error, a saved eos left the padding after it in the
+    turn to fold."""
+    base = tiny_base("llama")
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    prompt = torch.tensor([[20, 21], [30, 31]])
+    free = model.generate(prompt, past_key_values=model.new_cache(2), max_new_tokens=6, do_sample=False)
+    eos = int(free[0, 3])  # row 0 produces it at its second step
+    assert eos not in free[1, 2:].tolist()
+    for saved in (model.base_model.generation_config, base.generation_config):
+        saved.update(num_beams=3, eos_token_id=eos, pad_token_id=0)
+    expected = base.generate(prompt, generation_config=GenerationConfig(max_new_tokens=6))
+    cache = model.new_cache(2)
+    got = model.generate(prompt, past_key_values=cache, generation_config=GenerationConfig(max_new_tokens=6))
+    assert torch.equal(got, expected)
+    real = [int((row == eos).nonzero()[0]) + 1 if eos in row.tolist() else len(row) for row in got]
+    assert real[0] < got.shape[1]
+    _folded_rows(model, cache, got, real)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from transformers_ccm.attention import (
@@ -428,10 +428,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             attention_mask = _checked_mask(
                 attention_mask, input_ids, "input_ids", "prompt token (the memory needs none)"
             )
-        generation_config = kwargs.get("generation_config") or self.base_model.generation_config
-        num_beams = kwargs.get("num_beams") or generation_config.num_beams or 1
-        num_sequences = kwargs.get("num_return_sequences") or generation_config.num_return_sequences or 1
-        expand = max(num_beams, num_sequences)
+        settings = self._generation_settings(kwargs)
+        num_sequences = settings.num_return_sequences or 1
+        expand = max(settings.num_beams or 1, num_sequences)
         with cache.transaction(), self._gate.scope():
             cache.begin_generation()
             run_cache = cache
@@ -459,9 +458,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     logits_to_keep=1,
                     **{CACHE_ARGUMENT: cache},
                 )
-            eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
+            eos = settings.eos_token_id
             cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
         return output
+
+    def _generation_settings(self, kwargs: dict[str, Any]) -> GenerationConfig:
+        """The settings `generate()` will run with: the `generation_config` given (else the base model's), what it
+        leaves unset taken from the base model's, then the keyword arguments, resolved by transformers itself."""
+        given = {key: value for key, value in kwargs.items() if key != "generation_config"}
+        return self.base_model._prepare_generation_config(kwargs.get("generation_config"), **given)[0]
 
     def _online_forward(
         self,
