@@ -337,6 +337,32 @@ def _folded_rows(model, cache, sequences, real_lengths):
             torch.testing.assert_close(layer.keys[row : row + 1], single.keys, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_use_cache_false_generates_as_the_base_model_and_leaves_the_turn_once(architecture):
+    """With use_cache=False (given, or saved in the base's generation_config) the memory is still in the cache:
+    every step re-fed the whole sequence into it, so the turn held each token many times and the tokens differed
+    from the base model's."""
+    model = tiny_ccm(architecture)
+    base = tiny_base(architecture)
+    prompt, mask = torch.tensor([[0, 20, 21], [30, 31, 32]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    expected = base.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for settings_ in ({"use_cache": False}, {"generation_config": GenerationConfig(use_cache=False)}):
+        cache = model.new_cache(2)
+        got = model.generate(
+            prompt,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            **settings_,
+        )
+        assert torch.equal(got, expected)
+        assert cache.turn_length == 3 + 4
+        model.compress(cache)
+        assert cache.next_position.tolist() == [2 + 5, 3 + 5]
+
+
 def test_settings_saved_on_the_base_model_apply_beside_a_generation_config():
     """A GenerationConfig given to generate() takes what it leaves unset from the base model's generation_config, as
     transformers does: a saved num_beams failed with a batch-size error, a saved eos left the padding after it in the

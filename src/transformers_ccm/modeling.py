@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable
@@ -411,7 +412,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """transformers' `generate()` on `I(t)`, attending to the memory in `past_key_values` (or `cache`).
 
         Every generation mode and argument of transformers works (greedy, sampling, beam search, streamers,
-        stopping criteria). The turn stays in the cache for `compress(cache)` to fold; with several returned
+        stopping criteria); it always decodes with the cache, which holds the memory (`use_cache=False` is
+        overridden). The turn stays in the cache for `compress(cache)` to fold; with several returned
         sequences per row the caller picks one and compresses it with `compress(cache, ids)`. If generation
         fails, the cache is left as it was.
         """
@@ -429,6 +431,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 attention_mask, input_ids, "input_ids", "prompt token (the memory needs none)"
             )
         settings = self._generation_settings(kwargs)
+        if not settings.use_cache:  # the memory is in the cache: decoding without it would feed every token again
+            if kwargs.get("generation_config") is not None and "use_cache" not in kwargs:
+                kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+                kwargs["generation_config"].use_cache = True
+            else:
+                kwargs["use_cache"] = True
         num_sequences = settings.num_return_sequences or 1
         expand = max(settings.num_beams or 1, num_sequences)
         with cache.transaction(), self._gate.scope():
