@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from huggingface_hub import RepoUrl
 from safetensors import safe_open
 
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
@@ -179,6 +180,8 @@ class FakeHfApi:
 
     def create_repo(self, repo_id, private=None, exist_ok=False, repo_type=None):
         self.calls.append(("create_repo", repo_id, private, exist_ok, self.token))
+        # As the Hub does: a name without a namespace is created under the token's user ("me").
+        return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'me/' + repo_id}")
 
     def upload_folder(self, repo_id, folder_path, commit_message=None, repo_type=None):
         files = {p.name: p.stat().st_size for p in Path(folder_path).iterdir()}
@@ -198,6 +201,36 @@ def test_push_to_hub_uploads_adapter_files_in_one_commit(monkeypatch):
     assert set(upload[3]) == ADAPTER_FILES
     base_bytes = sum(p.numel() * p.element_size() for p in model.base_model.parameters())
     assert upload[3]["adapter_model.safetensors"] < base_bytes / 2  # the adapter, not the base weights
+
+
+def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypatch):
+    """The Hub creates a bare name under the user's namespace; the upload went to the bare name (another repo, or
+    none) and the model card told to load it by that name."""
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    uploaded = {}
+    original = FakeHfApi.upload_folder
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        uploaded["card"] = (Path(folder_path) / "README.md").read_text()
+        return original(self, repo_id, folder_path, **kwargs)
+
+    monkeypatch.setattr(FakeHfApi, "upload_folder", upload_folder)
+    _adapter("acme/tiny-llama").push_to_hub("tiny-ccm")
+    (create, upload) = FakeHfApi.calls
+    assert create[1] == "tiny-ccm" and upload[1] == "me/tiny-ccm"
+    assert 'from_pretrained("me/tiny-ccm")' in uploaded["card"]
+
+
+@pytest.mark.parametrize(
+    "repo_id", ["", "me/tiny/ccm", "me/tiny ccm", "../tiny", "ccm:smollm2-concat", "me/x.git", 5, None]
+)
+def test_a_repo_id_the_hub_cannot_hold_is_refused_before_any_request(monkeypatch, repo_id):
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    with pytest.raises(ValueError, match="not a valid Hub repo id"):
+        _adapter("acme/tiny-llama").push_to_hub(repo_id)
+    assert FakeHfApi.calls == []
 
 
 # ----- errors ----------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from peft import LoraConfig
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -291,9 +292,10 @@ def push_adapter(
     token: str | bool | None = None,
 ) -> Any:
     """Create `repo_id` if needed and upload an adapter's files (see `save_adapter`) in one commit. Returns the
-    commit info."""
+    commit info. A name without a namespace goes where the Hub creates it (the token's user)."""
+    _check_repo_id(repo_id)
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     with tempfile.TemporaryDirectory() as folder:
         save_adapter(folder, config, lora_config, tensors, repo_id=repo_id)
         return api.upload_folder(
@@ -301,4 +303,18 @@ def push_adapter(
             folder_path=folder,
             commit_message=commit_message or f"Upload CCM-{config.update} adapter",
             repo_type="model",
+        )
+
+
+def _check_repo_id(repo_id: object) -> None:
+    """Raise a ValueError unless the Hub can hold a repo named `repo_id` (checked before any request)."""
+    problem = None if isinstance(repo_id, str) else f"a {type(repo_id).__name__}, not a string"
+    if problem is None:
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as error:
+            problem = str(error)
+    if problem is not None:
+        raise ValueError(
+            f"{repo_id!r} is not a valid Hub repo id ({problem}); give one such as 'your-name/my-ccm-adapter'."
         )
