@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import ARCHITECTURES, VOCAB, randomize_adapter, tiny_base, tiny_ccm
@@ -382,3 +382,33 @@ def test_settings_saved_on_the_base_model_apply_beside_a_generation_config():
     real = [int((row == eos).nonzero()[0]) + 1 if eos in row.tolist() else len(row) for row in got]
     assert real[0] < got.shape[1]
     _folded_rows(model, cache, got, real)
+
+
+class StopRowAfter(StoppingCriteria):
+    """Stops one row once it generated `count` tokens after a prompt of `prompt_length`."""
+
+    def __init__(self, row, count, prompt_length):
+        self.row, self.count, self.prompt_length = row, count, prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[self.row] = input_ids.shape[1] - self.prompt_length >= self.count
+        return done
+
+
+def test_rows_a_stopping_criterion_stops_early_fold_no_padding():
+    """transformers pads a row that a stopping criterion (or a stop string) finished, as after an EOS; that padding
+    was folded into the row's memory as if it had been said."""
+    model = tiny_ccm("llama")
+    prompt = torch.tensor([[20, 21], [30, 31]])
+    cache = model.new_cache(2)
+    sequences = model.generate(
+        prompt,
+        past_key_values=cache,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([StopRowAfter(row=0, count=2, prompt_length=2)]),
+    )
+    assert sequences[0, 4:].tolist() == [0] * 4 and 0 not in sequences[1].tolist()
+    _folded_rows(model, cache, sequences, [4, 8])

@@ -467,7 +467,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     **{CACHE_ARGUMENT: cache},
                 )
             eos = settings.eos_token_id
-            cache.end_generation(generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+            cache.end_generation(
+                generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos), settings.pad_token_id
+            )
         return output
 
     def _generation_settings(self, kwargs: dict[str, Any]) -> GenerationConfig:
