@@ -261,3 +261,18 @@ def test_an_empty_output_to_score_by_perplexity_is_refused_naming_the_sample(ccm
     samples = [OnlineSample(["Ann likes tea."], "Ann likes", " tea"), OnlineSample(["Bob is here."], "Bob", "")]
     with pytest.raises(ValueError, match=r"samples\[1\].output is empty: perplexity needs at least one token"):
         score_samples(ccm, tokenizer, samples, method, "perplexity")
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_an_empty_choice_or_input_is_refused_naming_the_sample(ccm, tokenizer, method):
+    """An empty choice scored nan (the mean of no token), and nan won or lost the argmax by its place in the list;
+    an empty input failed with torch's size error under no_context and ccm (no position predicts the output)."""
+    good = OnlineSample([[5, 6]], [7], [8, 9], choices=[[8, 9], [10]])
+    empty_choice = OnlineSample([[5, 6]], [7], [8, 9], choices=[[], [8, 9]])
+    with pytest.raises(ValueError, match=r"samples\[1\] has an empty choice"):
+        score_samples(ccm, tokenizer, [good, empty_choice], method, "accuracy")
+    for metric in ("accuracy", "perplexity"):
+        with pytest.raises(ValueError, match=r"samples\[1\].input is empty"):
+            score_samples(
+                ccm, tokenizer, [good, OnlineSample([[5, 6]], [], [8, 9], choices=[[8, 9], [10]])], method, metric
+            )

@@ -152,6 +152,12 @@ def score_samples(
             for tokens in (sample.output, *(sample.choices or ()))
             if tokens is not None
         ]
+        if not questions[i]:
+            raise ValueError(
+                f"samples[{i}].input is empty: no position would predict the output's first token; give the input."
+            )
+        if metric == "accuracy" and not all(candidates):  # the output is one of the choices
+            raise ValueError(f"samples[{i}] has an empty choice, which has no token to score; list non-empty choices.")
         if metric == "perplexity" and not (sample.output is not None and candidates[0]):
             raise ValueError(
                 f"samples[{i}].output is empty: perplexity needs at least one token of it to score; give the reference "
