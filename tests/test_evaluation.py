@@ -227,7 +227,12 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
         assert row["ccm_interval"][0] <= row["ccm"] <= row["ccm_interval"][1]
         assert row[FINETUNED] is not None and set(row["gain_recovered_finetuned"]) == {"value", "interval"}
         assert set(row["gain_recovered"]) == {"value", "interval"} and len(row["gain_recovered"]["interval"]) == 2
-    assert json.loads(report_json(results, summary)) == json.loads(json.dumps({"results": results, "summary": summary}))
+    # The report is the rows as they are, but strict JSON: null where a value is not a number.
+    written = json.loads(report_json(results, summary), parse_constant=pytest.fail)
+    assert written == json.loads(json.dumps({"results": results, "summary": summary}), parse_constant=lambda _: None)
+    no_gain = [{**summary[0], "gain_recovered": {"value": float("nan"), "interval": [float("nan"), float("inf")]}}]
+    strict = json.loads(report_json(results, no_gain), parse_constant=pytest.fail)
+    assert strict["summary"][0]["gain_recovered"] == {"value": None, "interval": [None, None]}
     table = markdown(results, summary)
     assert "| personalization (t=2) | seen | ccm-concat:a |" in table
     assert "| personalization (t=2) | unseen | ccm-concat:b |" in table

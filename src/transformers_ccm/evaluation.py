@@ -361,9 +361,22 @@ def summarize(results: Sequence[Row]) -> list[Row]:
 
 def report_json(results: Sequence[Row], summary: Sequence[Row]) -> str:
     """eval.json: `{"results": [...], "summary": [...]}`, one result per line (each carries its per-sample
-    scores), the summary indented."""
-    rows = ",\n".join(json.dumps(row) for row in results)
-    return f'{{"results": [\n{rows}\n],\n"summary": {json.dumps(summary, indent=2)}}}\n'
+    scores), the summary indented. Strict JSON: a value that is not a number (a gain recovered where full context
+    gains nothing) is written as null, which every JSON reader takes, where `NaN` is Python's alone."""
+    rows = ",\n".join(json.dumps(_finite_or_null(row), allow_nan=False) for row in results)
+    summary_text = json.dumps(_finite_or_null(summary), indent=2, allow_nan=False)
+    return f'{{"results": [\n{rows}\n],\n"summary": {summary_text}}}\n'
+
+
+def _finite_or_null(value: Any) -> Any:
+    """`value` with every float that is NaN or infinite, at any depth of its lists and dicts, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 def plot(results: Sequence[Row], path: str) -> None:
