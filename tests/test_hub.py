@@ -556,3 +556,28 @@ def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     assert live.to_dict() == before
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["task_type"] == "CAUSAL_LM"
+
+
+def test_a_load_that_fails_halfway_leaves_the_adapter_and_its_caches_as_they_were(tmp_path):
+    """The weights were copied module by module: a failure at the sixth left five modules holding the new adapter,
+    the rest the old one, and the caches made before refused."""
+    from transformers_ccm.lora import lora_layers
+
+    _adapter(None, seed=3, update="merge").save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9)
+    cache = target.new_cache()
+    target.compress(cache, CONTEXT)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    config, logits = target.config, _logits_from_memory(target)
+
+    def fail(*_):
+        raise RuntimeError("injected failure")
+
+    handle = lora_layers(target.base_model)[5].lora_B["default"]._register_load_state_dict_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        target.load_adapter(tmp_path / "adapter")
+    handle.remove()
+    assert [k for k, v in before.items() if not torch.equal(v, target.state_dict()[k])] == []
+    assert target.config == config and torch.equal(_logits_from_memory(target), logits)
+    with torch.no_grad():
+        target(input_ids=PROMPT, past_key_values=cache)  # the memory made before still fits

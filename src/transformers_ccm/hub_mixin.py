@@ -205,8 +205,16 @@ class AdapterHubMixin:
             lora |= {
                 f"{layer}.lora_B.weight": torch.zeros_like(expected[f"{layer}.lora_B.weight"]) for layer in added_layers
             }
-            set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
-            self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
+            # The copy goes module by module: one that fails half way puts the earlier modules back (the values of
+            # `expected` share the parameters' storage), so that the model and the caches made with it stay valid.
+            kept = {key: value.clone() for key, value in expected.items()}
+            try:
+                set_peft_model_state_dict(self.base_model, lora, adapter_name=ADAPTER_NAME)
+                self.comp_embeddings.copy_(tensors[COMP_EMBEDDINGS_KEY])
+            except BaseException:
+                for key, value in expected.items():
+                    value.copy_(kept[key])
+                raise
 
 
 def _resized(comp_embeddings: torch.Tensor, count: int) -> torch.Tensor:
