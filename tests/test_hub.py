@@ -581,3 +581,21 @@ def test_a_load_that_fails_halfway_leaves_the_adapter_and_its_caches_as_they_wer
     assert target.config == config and torch.equal(_logits_from_memory(target), logits)
     with torch.no_grad():
         target(input_ids=PROMPT, past_key_values=cache)  # the memory made before still fits
+
+
+@pytest.mark.parametrize(
+    ("saved", "own"),
+    [
+        (["q_proj", "k_proj"], ["k_proj", "q_proj"]),  # another order
+        (["q_proj", "q_proj", "k_proj"], ["q_proj", "k_proj"]),  # a duplicate
+        (["q_proj", "k_proj", "v_proj", "o_proj"], None),  # the default targets, named
+    ],
+)
+def test_load_adapter_takes_the_same_targets_named_otherwise(tmp_path, saved, own):
+    """The lists were compared as written: the same LoRA layers in another order were "another structure"."""
+    source = _adapter(None, seed=3, target_modules=saved)
+    source.save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9, target_modules=own)
+    target.load_adapter(tmp_path / "adapter")
+    assert target.config.target_modules == own
+    assert all(torch.equal(value, source.adapter_tensors()[key]) for key, value in target.adapter_tensors().items())

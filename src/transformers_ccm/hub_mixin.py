@@ -26,7 +26,7 @@ from transformers_ccm.hub import (
     resolve_adapter,
     save_adapter,
 )
-from transformers_ccm.lora import ADAPTER_NAME, untargeted
+from transformers_ccm.lora import ADAPTER_NAME, targeted, untargeted
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -152,6 +152,8 @@ class AdapterHubMixin:
         if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
             tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
             config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
+        if targeted(self.base_model, config.target_modules) == targeted(self.base_model, self.config.target_modules):
+            config = replace(config, target_modules=self.config.target_modules)  # the same layers, named otherwise
         structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
         different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
         added_layers: set[str] = set()

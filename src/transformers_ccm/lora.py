@@ -82,15 +82,23 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
 
 
+def targeted(model: PreTrainedModel, target_modules: list[str] | None) -> set[str]:
+    """The qualified names of the modules of `model` that `target_modules` (`None`: the default attention
+    projections) selects; a LoRA layer counts as the layer it wraps, its inner modules not at all."""
+    config = LoraConfig(target_modules=target_modules or default_target_modules(model))
+    inner = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, LoraLayer))
+    return {
+        name
+        for name, _ in model.named_modules()
+        if check_target_module_exists(config, name) and not name.startswith(inner)
+    }
+
+
 def untargeted(model: PreTrainedModel, target_modules: list[str] | None) -> set[str]:
     """The qualified names of the LoRA layers of `model` that `target_modules` (`None`: the default attention
     projections) would not select."""
-    config = LoraConfig(target_modules=target_modules or default_target_modules(model))
-    return {
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLayer) and not check_target_module_exists(config, name)
-    }
+    layers = {name for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    return layers - targeted(model, target_modules)
 
 
 def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
