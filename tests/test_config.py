@@ -47,6 +47,7 @@ def test_json_round_trip(tmp_path_factory, n, update, alpha, conditional):
         ({"max_memory_tokens": 1, "num_comp_tokens": 2}, "max_memory_tokens", ">= num_comp_tokens"),
         ({"max_memory_tokens": 8, "update": "merge"}, "max_memory_tokens", "update='concat' only"),
         ({"r": -1}, "r", "positive integer"),
+        ({"lora_alpha": float("inf")}, "lora_alpha", "positive finite number"),  # its LoRA gave NaN everywhere
         ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
         ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
         ({"target_modules": []}, "target_modules", "non-empty list"),

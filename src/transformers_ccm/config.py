@@ -9,7 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from transformers_ccm.json_reading import parse_json_object
-from transformers_ccm.validation import check_setting, number, positive_int
+from transformers_ccm.validation import check_setting, finite_number, number, positive_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -75,7 +75,7 @@ class CCMConfig:
             )
         _check(self.conditional_lora, "conditional_lora", "True or False", lambda v: isinstance(v, bool))
         _check(self.r, "r", "a positive integer", positive_int)
-        _check(self.lora_alpha, "lora_alpha", "a positive number", lambda v: number(v) and v > 0)
+        _check(self.lora_alpha, "lora_alpha", "a positive finite number", lambda v: finite_number(v) and v > 0)
         _check(self.lora_dropout, "lora_dropout", "a number in [0, 1)", lambda v: number(v) and 0 <= v < 1)
         if self.target_modules is not None:
             _check(
