@@ -599,3 +599,12 @@ def test_load_adapter_takes_the_same_targets_named_otherwise(tmp_path, saved, ow
     target.load_adapter(tmp_path / "adapter")
     assert target.config.target_modules == own
     assert all(torch.equal(value, source.adapter_tensors()[key]) for key, value in target.adapter_tensors().items())
+
+
+def test_load_adapter_keeps_the_models_lora_dropout(tmp_path):
+    """The config took the adapter's lora_dropout while the layers kept theirs, and a save recorded a dropout the
+    model never trained with."""
+    _adapter(None, seed=3, lora_dropout=0.2).save_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9, lora_dropout=0.0)
+    target.load_adapter(tmp_path / "adapter")
+    assert target.config.lora_dropout == 0.0 == target.base_model.peft_config["default"].lora_dropout

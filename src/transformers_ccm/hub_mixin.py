@@ -131,7 +131,8 @@ class AdapterHubMixin:
         extend_targets: bool = False,
     ) -> None:
         """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
-        length); its update rule comes along. Nothing changes if anything does not match.
+        length); its update rule comes along, the model keeps its `lora_dropout`. Nothing changes if anything
+        does not match.
 
         With `resize_comp_tokens=True` an adapter with another number of `<COMP>` tokens loads too, to continue
         training with more (or fewer) memory slots per context: the model keeps its own count, its first tokens
@@ -171,7 +172,10 @@ class AdapterHubMixin:
                 "CCMForCausalLM.from_pretrained instead."
             )
         self._load_adapter_weights(tensors, folder, added_layers)
-        self.config = replace(config, base_model_shape=self.config.base_model_shape)
+        # The LoRA layers keep the dropout they were built with.
+        self.config = replace(
+            config, lora_dropout=self.config.lora_dropout, base_model_shape=self.config.base_model_shape
+        )
 
     def _release_base(self) -> None:
         """Undo `cls(base_model, config)` on the base model (the model class implements it)."""
