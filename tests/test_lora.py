@@ -131,3 +131,13 @@ def test_targets_that_are_not_linear_layers_are_refused_and_leave_the_base_as_it
         CCMForCausalLM.from_base(base, CCMConfig(target_modules=targets))
     assert not lora_layers(base)
     CCMForCausalLM.from_base(base, CCMConfig())  # still a plain base model
+
+
+def test_trainable_parameters_leave_out_frozen_comp_embeddings(capsys):
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    model.comp_embeddings.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model.num_parameters(only_trainable=True) == trainable
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    model.print_trainable_parameters()
+    assert f"trainable params: {trainable:,} ||" in capsys.readouterr().out

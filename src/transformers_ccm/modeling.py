@@ -674,7 +674,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters of the base model, its LoRA and the `<COMP>` embeddings (as `PreTrainedModel` counts)."""
-        comp = 0 if exclude_embeddings else self.comp_embeddings.numel()
+        counted = not exclude_embeddings and (self.comp_embeddings.requires_grad or not only_trainable)
+        comp = self.comp_embeddings.numel() if counted else 0
         return (
             self.base_model.num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + comp
         )
