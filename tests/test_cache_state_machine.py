@@ -55,13 +55,6 @@ def turn_open(ops: list[Op]) -> bool:
     return bool(ops) and ops[-1][0] != "compress"
 
 
-def unspecified(ops: list[Op], op: Op) -> bool:
-    """An online forward right after generate(): the last generated token is pending (no keys/values yet) and the
-    forward neither runs it first nor refuses, so the new tokens do not see it and the fold runs it after them. Left
-    out of the machine until the library settles that case."""
-    return op[0] == "forward" and bool(ops) and ops[-1][0] == "generate"
-
-
 def refusal(ops: list[Op], op: Op) -> bool:
     """Whether `op` must be refused (ValueError, nothing changed) on a cache with this history."""
     if op[0] == "generate":
@@ -156,8 +149,6 @@ class CacheMachine(RuleBasedStateMachine):
     def _run(self, index: int, *ops: Op) -> None:
         """Run `ops` in turn on cache `index`; each must succeed or be refused (ValueError) as the model says."""
         for op in ops:
-            if unspecified(self.ops[index], op):
-                return
             cache, before = self.caches[index], snapshot(self.caches[index])
             if refusal(self.ops[index], op):
                 try:
@@ -229,8 +220,6 @@ class CacheMachine(RuleBasedStateMachine):
             "fold": ("compress", None),
         }[kind]
         cache, ops = self.caches[index], self.ops[index]
-        if unspecified(ops, op):
-            return
         before, saved = snapshot(cache), None
         if not turn_open(ops):
             saved = self._path()

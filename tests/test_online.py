@@ -180,6 +180,26 @@ def test_folding_with_feedback_appends_it_to_the_turn():
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_a_forward_after_generate_follows_the_last_generated_token(update):
+    """generate() leaves its last token without keys/values for compress() to fold; an online forward ran its new
+    tokens without it (they did not attend to it) and the fold put it after them. The turn is input, output, then
+    the forward's tokens, as if they had been given at once."""
+    model = tiny_ccm("llama", update=update)
+    online, at_once = model.new_cache(), model.new_cache()
+    for cache in (online, at_once):
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+    sequence = model.generate(torch.tensor([[20, 21]]), past_key_values=online, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[30, 31]]), past_key_values=online).logits
+        expected = model(input_ids=torch.cat([sequence, torch.tensor([[30, 31]])], 1), past_key_values=at_once).logits
+    torch.testing.assert_close(logits, expected[:, -2:], atol=1e-5, rtol=0)
+    model.compress(online)
+    model.compress(at_once)
+    for a, b in zip(online.layers, at_once.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+
+
 def test_rows_stop_at_their_own_eos():
     model = tiny_ccm("llama")
     prompt = torch.tensor([[20, 21], [30, 31]])

@@ -504,6 +504,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     "fine beside rows with tokens)."
                 )
         with cache.transaction(), self._gate.scope():
+            self._run_pending(cache)
             step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
                 return self.base_model(
@@ -525,6 +526,18 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
                 )
         return output
+
+    def _run_pending(self, cache: CompressedMemoryCache) -> None:
+        """Run the token `generate()` produced last (kept without keys/values for `compress` to fold), so that
+        the new tokens of an online forward attend to it and follow it in the turn."""
+        pending_ids, pending_mask = cache.take_pending()
+        if pending_mask.any():
+            self.base_model(
+                input_ids=pending_ids.to(self.device),
+                attention_mask=pending_mask.to(self.device),
+                logits_to_keep=1,
+                **{CACHE_ARGUMENT: cache},
+            )
 
     def _online_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
