@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -49,6 +50,20 @@ def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
         help="streams (stream-eval, train --supervision stream): a compressed chunk stays in the window until new "
         "tokens push it out, so the KV budget stays full; --no-keep-window-full drops it at once (the paper)",
     )
+
+
+# The `ccm train` flag that sets each TrainingRecipe field a user can get wrong.
+_RECIPE_FLAGS = {
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "gradient_accumulation": "--gradient-accumulation",
+    "learning_rate": "--learning-rate",
+    "eval_every": "--eval-every",
+    "save_every": "--eval-every",
+    "seed": "--seed",
+    "distill_weight": "--distill-weight",
+    "stream_piece": "--stream-piece",
+}
 
 
 def _is_file(task: str) -> bool:
@@ -118,23 +133,27 @@ def cmd_train(args: argparse.Namespace) -> None:
         else tokens_before_compression(streaming) + args.stream_chunks * args.compress_chunk + 1
     )
     # Built first: a bad --steps, --batch-size or --learning-rate is refused before the model loads.
-    recipe = TrainingRecipe(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        gradient_accumulation=args.gradient_accumulation,
-        learning_rate=args.learning_rate,
-        eval_every=args.eval_every,
-        save_every=args.eval_every,
-        seed=args.seed,
-        gradient_checkpointing=args.gradient_checkpointing,
-        group_by_length=args.group_by_length,
-        precision=args.precision,
-        supervision="output" if streaming is not None else args.supervision,
-        distill_weight=args.distill_weight,
-        layout="full_context" if args.method == "full-context" else "ccm",
-        streaming=streaming,
-        stream_piece=args.stream_piece,
-    )
+    try:
+        recipe = TrainingRecipe(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            gradient_accumulation=args.gradient_accumulation,
+            learning_rate=args.learning_rate,
+            eval_every=args.eval_every,
+            save_every=args.eval_every,
+            seed=args.seed,
+            gradient_checkpointing=args.gradient_checkpointing,
+            group_by_length=args.group_by_length,
+            precision=args.precision,
+            supervision="output" if streaming is not None else args.supervision,
+            distill_weight=args.distill_weight,
+            layout="full_context" if args.method == "full-context" else "ccm",
+            streaming=streaming,
+            stream_piece=args.stream_piece,
+        )
+    except ValueError as error:  # in the command's words: the flag, not the TrainingRecipe field it sets
+        message = re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error))
+        raise ValueError(message) from None
     config = CCMConfig(
         num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
         update=args.update,
