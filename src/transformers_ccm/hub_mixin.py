@@ -7,6 +7,7 @@ users know from transformers and PEFT: `save_pretrained`, `push_to_hub`, `from_p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ class AdapterHubMixin:
     config: CCMConfig
     base_model: PreTrainedModel
     comp_embeddings: nn.Parameter
+    _release_base: Callable[[], None]  # undoes `cls(base_model, config)` on the base model after a failed load
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
@@ -176,10 +178,6 @@ class AdapterHubMixin:
         self.config = replace(
             config, lora_dropout=self.config.lora_dropout, base_model_shape=self.config.base_model_shape
         )
-
-    def _release_base(self) -> None:
-        """Undo `cls(base_model, config)` on the base model (the model class implements it)."""
-        raise NotImplementedError
 
     def _load_adapter_weights(
         self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: AbstractSet[str] = frozenset()
