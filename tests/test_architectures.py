@@ -33,6 +33,34 @@ def test_loading_arguments_with_a_loaded_model_are_refused():
         CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(), torch_dtype=torch.float16)
 
 
+def test_a_base_model_offloaded_by_accelerate_is_refused_and_left_as_it_was(tmp_path):
+    """A disk-offloaded layer keeps its weights on the meta device: the LoRA added there held no weights, and the
+    first call failed with "Cannot copy out of meta tensor"."""
+    tiny_base("llama").save_pretrained(tmp_path / "base")
+    placement = {name: "cpu" for name in ("model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb")}
+    placement |= {"model.layers.1": "disk", "lm_head": "cpu"}
+    base = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", device_map=placement, offload_folder=tmp_path / "off"
+    )
+    modules = {name: type(module) for name, module in base.named_modules()}
+    with pytest.raises(ValueError, match=r"offloads \(model.layers.1 in its device_map\).*device_map='cpu'"):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+
+
+def test_cpu_entries_beside_an_accelerator_count_as_offloaded_and_a_cpu_only_map_does_not(tmp_path):
+    tiny_base("llama").save_pretrained(tmp_path)
+    placement = {name: "cpu" for name in ("model.embed_tokens", "model.layers", "model.norm", "lm_head")}
+    on_cpu = CCMForCausalLM.from_base(str(tmp_path), CCMConfig(), device_map=placement | {"model.rotary_emb": "cpu"})
+    cache = on_cpu.new_cache(batch_size=1)
+    on_cpu.compress(cache, torch.tensor([[5, 6, 7]]))
+    assert on_cpu(input_ids=torch.tensor([[8, 9]]), past_key_values=cache).logits.isfinite().all()
+    beside_a_gpu = tiny_base("llama")
+    beside_a_gpu.hf_device_map = {"model": 0, "lm_head": "cpu"}  # what accelerate records for such a map
+    with pytest.raises(ValueError, match=r"offloads \(lm_head in its device_map\)"):
+        CCMForCausalLM.from_base(beside_a_gpu, CCMConfig())
+
+
 def test_from_base_loads_a_local_path(tmp_path):
     tiny_base("qwen2").save_pretrained(tmp_path)
     model = CCMForCausalLM.from_base(str(tmp_path), CCMConfig(num_comp_tokens=3))

@@ -716,12 +716,28 @@ def _check_supported(model: PreTrainedModel) -> None:
         )
     if not attention_modules(model):
         raise TypeError(f"{name}: found no attention layers (modules named *Attention with a layer_idx).")
+    offloaded = _offloaded_modules(model)
+    if offloaded:
+        raise ValueError(
+            f"{name} has modules that accelerate offloads ({', '.join(offloaded[:3])}"
+            f"{' ...' if len(offloaded) > 3 else ''} in its device_map): their weights are loaded per forward, "
+            "and the LoRA layers CCM adds there would hold no weights. Load the base model with every module on "
+            "a GPU or all on the CPU (device_map='auto' with enough max_memory, or device_map='cpu')."
+        )
     if model.config.model_type not in TESTED_MODEL_TYPES:
         logger.warning(
             "transformers-ccm has not been tested with model type %r; known to work: %s.",
             model.config.model_type,
             ", ".join(TESTED_MODEL_TYPES),
         )
+
+
+def _offloaded_modules(model: PreTrainedModel) -> list[str]:
+    """The device-map entries whose weights accelerate keeps away from where they run: those on the disk, and
+    those on the CPU beside accelerators (on a CPU-only map they run where they are)."""
+    placement = {name: str(device) for name, device in (getattr(model, "hf_device_map", None) or {}).items()}
+    accelerators = set(placement.values()) - {"cpu", "disk"}
+    return sorted(name for name, device in placement.items() if device == "disk" or (device == "cpu" and accelerators))
 
 
 def _use_ccm_attention(model: PreTrainedModel) -> None:
