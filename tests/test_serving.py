@@ -257,6 +257,66 @@ def test_copying_or_reordering_a_cache_while_another_thread_runs_a_call_on_it_is
     operations[operation]()  # free again
 
 
+@pytest.mark.parametrize("update", ["concat", "merge"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_reset_cache_is_a_new_one_and_its_copies_keep_their_memory(tmp_path, update, streaming):
+    """transformers' `Cache.reset` dropped the keys/values but left the rows their memory slots and positions:
+    every later call failed inside torch. A reset cache now works exactly as a new one; a copy keeps its memory."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", update=update)
+    stream = StreamingConfig(window_tokens=12, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+    config = stream if streaming else None
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]])
+
+    def use(cache: CompressedMemoryCache) -> torch.Tensor:
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        for _ in range(2):
+            if not streaming:
+                model.compress(cache)
+            model.generate(ids[:, :3], past_key_values=cache, max_new_tokens=3, do_sample=False)
+        if not streaming:
+            model.compress(cache)
+        return logits
+
+    cache = model.new_cache(2, streaming=config)
+    use(cache)
+    twin = cache.copy()
+    kept = _saved_bytes(twin, tmp_path / "twin.safetensors")
+    cache.reset()
+    fresh = model.new_cache(2, streaming=config)
+    assert torch.equal(use(cache), use(fresh))
+    assert _saved_bytes(cache, tmp_path / "reset.safetensors") == _saved_bytes(fresh, tmp_path / "fresh.safetensors")
+    assert _saved_bytes(twin, tmp_path / "twin.safetensors") == kept
+
+
+def test_resetting_a_cache_while_another_thread_runs_a_call_on_it_is_refused(tmp_path):
+    model = tiny_ccm("llama")
+    cache = _filled(model)
+    inside, release = threading.Event(), threading.Event()
+
+    def pause(*_: object) -> None:
+        inside.set()
+        release.wait(timeout=30)
+
+    handle = model.base_model.model.layers[1].register_forward_pre_hook(pause)
+    thread = threading.Thread(target=model.compress, args=(cache, torch.tensor([[10, 11], [12, 13]])))
+    try:
+        thread.start()
+        assert inside.wait(timeout=30)
+        with pytest.raises(ValueError, match="in use by a call in another thread"):
+            cache.reset()
+    finally:
+        release.set()
+        thread.join()
+        handle.remove()
+    alone = _filled(model)
+    model.compress(alone, torch.tensor([[10, 11], [12, 13]]))
+    assert _saved_bytes(cache, tmp_path / "a.safetensors") == _saved_bytes(alone, tmp_path / "b.safetensors")
+    cache.reset()  # free again
+    assert cache.memory_length == 0
+
+
 # ----- failures --------------------------------------------------------------------------------------------------
 def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     cache = model.new_cache(batch)

@@ -790,6 +790,16 @@ class CompressedMemoryCache(Cache):
             "assistant model."
         )
 
+    def reset(self) -> None:
+        """Empty every row's memory (a stream: its sink, memory and window too), as `new_cache` makes a cache.
+
+        transformers' `Cache.reset` drops only the layers' keys/values: the rows kept their memory slots and positions,
+        and every later call failed deep inside torch. Refused while another thread runs a call on the cache."""
+        with self._claimed():
+            fresh = CompressedMemoryCache(self.spec, self.batch_size, self.streaming)
+            # One step: the new layers (copies keep the old ones, which are never zeroed), rows and stream counters.
+            self.__dict__.update({**fresh.__dict__, "_user": self._user})
+
     def copy(self) -> CompressedMemoryCache:
         """A cache with the same content that changes independently (tensors are replaced, never changed, so
         they are shared until then). Refused while another thread runs a call on this cache, as `save` is."""
