@@ -635,6 +635,34 @@ def test_bf16_merge_memory_stays_close_to_fp32_after_1000_turns():
         assert error < 0.03, f"bf16 merge memory is {error:.1%} away from fp32"
 
 
+@pytest.mark.parametrize(
+    ("architecture", "update", "streaming"),
+    [("llama", "concat", False), ("llama", "merge", False), ("gpt2", "concat", False), ("llama", "merge", True)],
+)
+def test_a_memory_made_under_autocast_is_held_in_the_models_dtype_and_loads_back(
+    tmp_path, architecture, update, streaming
+):
+    """Under bf16 autocast the projections gave bf16 keys/values, which a new cache held as they came: the memory
+    saved was a file that `load` refused ('expected torch.float32')."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm(architecture, update=update)
+    stream = StreamingConfig(window_tokens=12, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+    cache = model.new_cache(2, streaming=stream if streaming else None)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if streaming:
+            model(input_ids=ids, past_key_values=cache)
+        else:
+            model.compress(cache, ids)
+    assert {layer.keys.dtype for layer in cache.layers} | {layer.values.dtype for layer in cache.layers} == {
+        model.dtype
+    }
+    cache.save(tmp_path / "user.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+    assert all(torch.equal(a.values, b.values) for a, b in zip(loaded.layers, cache.layers, strict=True))
+
+
 @settings(max_examples=10, deadline=None)
 @given(cap=st.integers(2, 6), steps=st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=1, max_size=8))
 def test_the_concat_cap_bounds_every_row(cap, steps):

@@ -438,6 +438,14 @@ class CompressedMemoryCache(Cache):
         it pending for `compress` to fold."""
         return self.streaming is not None
 
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the new keys/values in the model's dtype: under `torch.autocast` the projections give them in the
+        autocast dtype, and a memory saved in it was a file that `load` refuses."""
+        dtype = self.spec.dtype
+        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.streaming is not None:
             return self.turn_tokens
