@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
@@ -255,6 +257,81 @@ def test_copying_or_reordering_a_cache_while_another_thread_runs_a_call_on_it_is
         handle.remove()
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, alone.layers, strict=True))
     operations[operation]()  # free again
+
+
+NESTED_CALLS = {
+    "compress": lambda model, cache: model.compress(cache),
+    "compress context": lambda model, cache: model.compress(cache, torch.tensor([[3, 4]])),
+    "forward": lambda model, cache: model(input_ids=torch.tensor([[3]]), past_key_values=cache),
+    "generate": lambda model, cache: model.generate(torch.tensor([[3]]), past_key_values=cache, max_new_tokens=1),
+    "reset": lambda model, cache: cache.reset(),
+}
+
+
+class _CallingStreamer(BaseStreamer):
+    """A streamer that runs `call` on the cache of its own generate() at its `at`-th put (or at its end)."""
+
+    def __init__(self, call: Callable[[], object], at: int | None) -> None:
+        self.call, self.at, self.puts = call, at, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == self.at:
+            self.call()
+
+    def end(self) -> None:
+        if self.at is None:
+            self.call()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    call=st.sampled_from(sorted(NESTED_CALLS)),
+    hook=st.sampled_from(["streamer", "stopping criterion"]),
+    at=st.one_of(st.none(), st.integers(1, 3)),
+    streaming=st.booleans(),
+)
+def test_a_call_on_the_cache_of_a_running_generate_is_refused_and_changes_nothing(tmp_path, call, hook, at, streaming):
+    """A streamer or stopping criterion that called the model on the cache of its own generate() (folding the turn at
+    the streamer's end, say) changed the turn under it: a failure deep inside torch, or the reply's tokens left out of
+    order in the turn. It is refused with the fix; the cache is left as it was and works on."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    if streaming and call.startswith("compress"):
+        call = "forward"  # a stream compresses by itself
+    model = tiny_ccm("llama")
+    stream = StreamingConfig(window_tokens=12, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+    cache, alone = (model.new_cache(streaming=stream if streaming else None) for _ in range(2))
+    for each in (cache, alone):
+        if streaming:
+            model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), past_key_values=each)
+        else:
+            model.compress(each, torch.tensor([[5, 6, 7, 8]]))
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+
+    def nested() -> None:
+        NESTED_CALLS[call](model, cache)
+
+    def stopper(*_: object, **__: object) -> torch.Tensor:
+        if at is None or stopper.calls == at - 1:
+            nested()
+        stopper.calls += 1
+        return torch.zeros(1, dtype=torch.bool)
+
+    stopper.calls = 0
+    extra = (
+        {"streamer": _CallingStreamer(nested, at)}
+        if hook == "streamer"
+        else {"stopping_criteria": StoppingCriteriaList([stopper])}
+    )
+    with pytest.raises(ValueError, match=r"its own running generate\(\) is using .*after generate\(\) returns"):
+        model.generate(torch.tensor([[20, 21]]), past_key_values=cache, max_new_tokens=3, do_sample=False, **extra)
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+    replies = [
+        model.generate(torch.tensor([[20, 21]]), past_key_values=each, max_new_tokens=3, do_sample=False)
+        for each in (cache, alone)
+    ]
+    assert torch.equal(*replies)
 
 
 @pytest.mark.parametrize("update", ["concat", "merge"])

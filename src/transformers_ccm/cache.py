@@ -350,6 +350,8 @@ class CompressedMemoryCache(Cache):
         self.compressed_in_window = 0
         # The thread running calls on this cache and how deeply they nest (None: free); see `transaction`.
         self._user: tuple[int, int] | None = None
+        # The model call running on this cache (None: none); see `running`.
+        self._call: str | None = None
 
     @property
     def config(self) -> CCMConfig:
@@ -485,6 +487,22 @@ class CompressedMemoryCache(Cache):
                 raise
 
     @contextmanager
+    def running(self, call: str) -> Iterator[None]:
+        """A model call named `call` (`compress()`, `generate()`, an online forward) on the cache, as one transaction.
+
+        Another call on the cache from inside it, in the same thread, is refused with a `ValueError` before it changes
+        anything: a streamer or stopping criterion of `generate()` that folded or extended the turn under the running
+        call failed deep inside torch, or left the reply's tokens out of order in the turn.
+        """
+        with self.transaction():
+            self.check_no_call(call)
+            self._call = call
+            try:
+                yield
+            finally:
+                self._call = None
+
+    @contextmanager
     def _claimed(self) -> Iterator[None]:
         """Hold the cache for the calling thread within the context (nested claims by that thread are fine)."""
         me = threading.get_ident()
@@ -497,6 +515,15 @@ class CompressedMemoryCache(Cache):
         finally:
             with _CLAIMS:
                 self._user = (me, depth) if depth else None
+
+    def check_no_call(self, call: str) -> None:
+        """Raise if a model call runs on this cache in the calling thread, which `call` would be made from inside."""
+        running, user = self._call, self._user
+        if running is not None and user is not None and user[0] == threading.get_ident():
+            raise ValueError(
+                f"{call} was called on a CompressedMemoryCache that its own running {running} is using (from a "
+                f"streamer or stopping criterion, say); make the call after {running} returns."
+            )
 
     def check_free(self) -> None:
         """Raise if another thread is running a call on this cache (a cache is one user's state)."""
@@ -802,8 +829,9 @@ class CompressedMemoryCache(Cache):
         """Empty every row's memory (a stream: its sink, memory and window too), as `new_cache` makes a cache.
 
         transformers' `Cache.reset` drops only the layers' keys/values: the rows kept their memory slots and positions,
-        and every later call failed deep inside torch. Refused while another thread runs a call on the cache."""
-        with self._claimed():
+        and every later call failed deep inside torch. Refused while a call runs on the cache (in another thread, or
+        the call of a streamer or stopping criterion that resets the cache)."""
+        with self.running("cache.reset()"):
             fresh = CompressedMemoryCache(self.spec, self.batch_size, self.streaming)
             # One step: the new layers (copies keep the old ones, which are never zeroed), rows and stream counters.
             self.__dict__.update({**fresh.__dict__, "_user": self._user})
@@ -831,7 +859,7 @@ class CompressedMemoryCache(Cache):
 
     def __getstate__(self) -> dict[str, Any]:
         """The content without the claim: a copy (or a pickle) is a new cache, free whoever holds this one."""
-        return {**self.__dict__, "_user": None}
+        return {**self.__dict__, "_user": None, "_call": None}
 
     # ----- checks ------------------------------------------------------------------------------------------------
     def check_signature(self, signature: dict[str, Any]) -> None:

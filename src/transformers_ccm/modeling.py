@@ -346,7 +346,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
-        self._check_cache(cache)
+        self._check_cache(cache, "compress()")
         cache.check_compressible()
         context, context_mask = self._context(cache, context_ids, attention_mask)
         pending_mask = cache.pending_mask.to(context_mask.device)
@@ -357,7 +357,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "with at least one token."
             )
         n, batch, device = self.config.num_comp_tokens, cache.batch_size, self.device
-        with cache.transaction():
+        with cache.running("compress()"):
             pending_ids, pending_mask = cache.take_pending()
             ids = torch.cat([pending_ids.to(device), context.to(device)], dim=1)
             mask = torch.cat([pending_mask.to(device), context_mask.to(device)], dim=1)
@@ -422,7 +422,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache = given if given is not None else self.new_cache(input_ids.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
-        self._check_cache(cache)
+        self._check_cache(cache, "generate()")
         self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -439,7 +439,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 kwargs["use_cache"] = True
         num_sequences = settings.num_return_sequences or 1
         expand = max(settings.num_beams or 1, num_sequences)
-        with cache.transaction(), self._gate.scope():
+        with cache.running("generate()"), self._gate.scope():
             cache.begin_generation()
             run_cache = cache
             if expand > 1:  # generate() expands the inputs, not a given cache
@@ -487,7 +487,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """New tokens of the turn (or of a stream, in pieces the window can take): logits `(batch, len, vocab)`."""
-        self._check_cache(cache)
+        self._check_cache(cache, "model(...)")
         name = "input_ids" if input_ids is not None else "inputs_embeds"
         tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
         if tokens is None:
@@ -503,7 +503,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     "nothing but padding to the turn; pass at least one token with mask 1 (a row of padding only is "
                     "fine beside rows with tokens)."
                 )
-        with cache.transaction(), self._gate.scope():
+        with cache.running("model(...)"), self._gate.scope():
             self._run_pending(cache)
             step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
@@ -639,14 +639,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             cached = self._digests[kind] = key, compute(parameters)
         return cached[1]
 
-    def _check_cache(self, cache: CompressedMemoryCache) -> None:
-        """Raise unless `cache` is free (no other thread runs a call on it), the model still attends through CCM's
-        attention, and the cache was made by this model, with these weights, and lives on its device."""
+    def _check_cache(self, cache: CompressedMemoryCache, call: str) -> None:
+        """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
+        model still attends through CCM's attention, and the cache was made by this model, with these weights, and
+        lives on its device."""
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(
                 f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}."
             )
         cache.check_free()
+        cache.check_no_call(call)
         self._check_attention()
         cache.check_signature(self.memory_signature())
         cache.check_device(self.device)
