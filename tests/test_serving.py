@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -114,6 +115,45 @@ def test_gate_state_does_not_leak_into_other_threads():
         thread.join()
     assert (gated - plain).abs().max() > 1e-3
     assert torch.equal(seen[0], plain)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["disabled", "gate"]), min_size=1, max_size=4),
+    made_in=st.sampled_from(["this thread", "another thread", "another thread, adapter disabled"]),
+)
+def test_a_gate_context_takes_the_state_where_it_is_entered(kinds, made_in):
+    """A context made first and entered later took the state current where it was made: `lora_at` made before
+    `adapter_disabled()` was entered ran the LoRA inside it, and one made in another thread (there under
+    `adapter_disabled()`) brought that thread's state into this one's call."""
+    model = tiny_ccm("llama")
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool)
+    with torch.no_grad():
+        plain = model.base_model(input_ids=ids).logits
+        with model.lora_at(mask):
+            gated = model.base_model(input_ids=ids).logits
+
+    def make() -> list[contextlib.AbstractContextManager[None]]:
+        return [model.adapter_disabled() if kind == "disabled" else model.lora_at(mask) for kind in kinds]
+
+    if made_in == "this thread":
+        contexts = make()
+    else:
+        made = []
+
+        def maker() -> None:
+            with model.adapter_disabled() if made_in.endswith("disabled") else contextlib.nullcontext():
+                made.extend(make())
+
+        thread = threading.Thread(target=maker)
+        thread.start()
+        thread.join()
+        contexts = made
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        logits = model.base_model(input_ids=ids).logits
+    assert torch.equal(logits, gated if "gate" in kinds and "disabled" not in kinds else plain)
 
 
 def test_a_cache_in_use_by_another_thread_is_refused_and_keeps_that_threads_work(tmp_path):

@@ -209,8 +209,12 @@ def _restored(state: _GateState) -> Iterator[None]:
         _GATE.reset(token)
 
 
-def _gate_state(mask: torch.Tensor | None = None, suppressed: bool = False) -> AbstractContextManager[None]:
+@contextmanager
+def _gate_state(mask: torch.Tensor | None = None, suppressed: bool = False) -> Iterator[None]:
+    # The state is read where the context is entered, not where it was made: a context made first and entered inside
+    # `adapter_disabled()` dropped the suppression, and one made in another thread brought that thread's state along.
     current = _GATE.get()
-    return _restored(
+    with _restored(
         _GateState(mask if mask is not None else current.mask, suppressed or current.suppressed, current.outer)
-    )
+    ):
+        yield
