@@ -266,14 +266,18 @@ def test_streaming_misuse_is_explained():
         tiny_ccm("gpt2").new_cache(1, streaming=SMALL)
 
 
-def test_several_returned_sequences_leave_the_stream_as_it_was():
+def test_several_returned_sequences_leave_the_stream_as_it_was(tmp_path):
+    """The stream's keys were kept, but its count of tokens fed was reset: its saved file changed."""
     model = tiny_ccm("llama", num_comp_tokens=2)
     cache = model.new_cache(1, streaming=SMALL)
     model(input_ids=torch.randint(3, VOCAB, (1, 12)), past_key_values=cache)
     before = [layer.keys.clone() for layer in cache.layers]
+    cache.save(tmp_path / "before.safetensors")
     output = model.generate(
         torch.randint(3, VOCAB, (1, 3)), past_key_values=cache, max_new_tokens=4, num_beams=2, num_return_sequences=2
     )
     assert output.shape[0] == 2
     for keys, layer in zip(before, cache.layers, strict=True):
         assert torch.equal(keys, layer.keys)
+    cache.save(tmp_path / "after.safetensors")
+    assert (tmp_path / "after.safetensors").read_bytes() == (tmp_path / "before.safetensors").read_bytes()

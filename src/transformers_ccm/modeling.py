@@ -440,11 +440,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         num_sequences = settings.num_return_sequences or 1
         expand = max(settings.num_beams or 1, num_sequences)
         with cache.running("generate()"), self._gate.scope():
-            cache.begin_generation()
             run_cache = cache
             if expand > 1:  # generate() expands the inputs, not a given cache
                 run_cache = cache.copy()
                 run_cache.batch_repeat_interleave(expand)
+            # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
+            run_cache.begin_generation()
             output = self.base_model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: run_cache}, **kwargs
             )
