@@ -1,8 +1,9 @@
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from transformers_ccm import CCMConfig
@@ -88,3 +89,24 @@ def test_corrupt_and_missing_files(tmp_path):
     (tmp_path / CONFIG_NAME).write_text("{not json")
     with pytest.raises(ValueError, match="corrupt"):
         CCMConfig.from_pretrained(tmp_path)
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 10**400) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from([f.name for f in fields(CCMConfig)]), _JSON_VALUES, max_size=3))
+@example(changes={"lora_alpha": 10**400})  # past float's range: math.isfinite raised an OverflowError
+def test_any_json_value_in_a_config_file_loads_or_is_refused_naming_file_and_field(tmp_path, changes):
+    path = tmp_path / CONFIG_NAME
+    path.write_text(json.dumps({**CCMConfig().to_dict(), **changes}))
+    try:
+        config = CCMConfig.from_pretrained(tmp_path)
+    except ValueError as error:
+        assert str(path) in str(error) and any(f"CCMConfig.{name}" in str(error) for name in changes), error
+    else:
+        assert all(getattr(config, name) == value for name, value in changes.items())

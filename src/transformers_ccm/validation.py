@@ -19,7 +19,14 @@ def number(value: object) -> bool:
 
 
 def finite_number(value: object) -> bool:
-    return number(value) and math.isfinite(value)  # type: ignore[arg-type]
+    """A number that converts to a finite float: an integer past float's range (a crafted JSON file's 10**400)
+    counts as not finite, where `math.isfinite` would raise an OverflowError."""
+    if not number(value):
+        return False
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
 
 
 def check_setting(owner: str, value: object, name: str, allowed: str, ok: Callable[[object], bool]) -> None:
