@@ -47,6 +47,7 @@ def test_json_round_trip(tmp_path_factory, n, update, alpha, conditional):
         ({"ema_alpha": 0.0}, "ema_alpha", "(0, 1]"),
         ({"max_memory_tokens": 1, "num_comp_tokens": 2}, "max_memory_tokens", ">= num_comp_tokens"),
         ({"max_memory_tokens": 8, "update": "merge"}, "max_memory_tokens", "update='concat' only"),
+        ({"max_memory_tokens": 2**63}, "max_memory_tokens", "< 2**63 (None for no cap)"),
         ({"r": -1}, "r", "positive integer"),
         ({"lora_alpha": float("inf")}, "lora_alpha", "positive finite number"),  # its LoRA gave NaN everywhere
         ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),

@@ -413,6 +413,11 @@ def _lower_rank(tensors):
     [
         (lambda f: _rewrite_json(f / "ccm_config.json", num_comp_tokens=10**9), r"num_comp_tokens=1000000000"),
         (lambda f: _rewrite_json(f / "ccm_config.json", r=10**9), r"rank r=1000000000"),
+        (
+            # Compared with int64 slot counts, this cap wrapped: every compress left the memory empty.
+            lambda f: _rewrite_json(f / "ccm_config.json", max_memory_tokens=2**63),
+            r"ccm_config\.json holds a value CCMConfig refuses: CCMConfig\.max_memory_tokens must be None or an int",
+        ),
         (lambda f: _rewrite_json(f / "adapter_config.json", r=3), r"adapter_config\.json has r=3 where 8"),
         (lambda f: _rewrite_json(f / "adapter_config.json", lora_alpha=1), r"lora_alpha=1 where 16"),
         (lambda f: _rewrite_json(f / "adapter_config.json", peft_type="IA3"), r"peft_type='IA3' where 'LORA'"),

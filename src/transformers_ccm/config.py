@@ -19,6 +19,9 @@ FORMAT_VERSION = 1
 
 UpdateRule = Literal["concat", "merge", "ema"]
 UPDATE_RULES: tuple[str, ...] = ("concat", "merge", "ema")
+# The concat cap is compared with int64 slot counts: past int64 the comparison wrapped (every slot was dropped at
+# the next fold) or overflowed.
+_LARGEST_CAP = 2**63 - 1
 
 
 @dataclass
@@ -70,8 +73,8 @@ class CCMConfig:
             _check(
                 self.max_memory_tokens,
                 "max_memory_tokens",
-                f"None or an integer >= num_comp_tokens ({self.num_comp_tokens})",
-                lambda v: positive_int(v) and v >= self.num_comp_tokens,
+                f"None or an integer >= num_comp_tokens ({self.num_comp_tokens}) and < 2**63 (None for no cap)",
+                lambda v: positive_int(v) and self.num_comp_tokens <= v <= _LARGEST_CAP,
             )
         _check(self.conditional_lora, "conditional_lora", "True or False", lambda v: isinstance(v, bool))
         _check(self.r, "r", "a positive integer", positive_int)
