@@ -444,7 +444,7 @@ def _lower_rank(tensors):
         ),
         (
             lambda f: _rewrite_weights(f / "adapter_model.safetensors", _integer_lora),
-            r"holds tensors that are not floating point \['base_model\.model\..*lora_A\.weight'\]",
+            r"holds tensors that are not floating point, one value per element \[.base_model\.model\..*lora_A",
         ),
         (lambda f: (f / "ccm_config.json").write_bytes(b'{"r": "\xff"}'), r"ccm_config\.json is not valid JSON"),
         (
@@ -543,6 +543,45 @@ def test_weights_beyond_the_models_range_change_nothing(tmp_path):
     _adapter(None, seed=9).load_adapter(tmp_path / "large")
     with pytest.raises(ValueError, match=r"beyond the range of torch\.float16: \['ccm\.comp_embeddings'\]"):
         _adapter(None, seed=9).to(torch.float16).load_adapter(tmp_path / "large")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_adapter_weights_stored_as_8_bit_floats_load_as_their_values(tmp_path, dtype):
+    """`torch.isfinite` has no kernel for float8_e4m3fn: checking such weights failed with a NotImplementedError."""
+    _adapter(None).save_pretrained(tmp_path / "narrow")
+    _rewrite_weights(
+        tmp_path / "narrow" / "adapter_model.safetensors", lambda t: {k: v.to(dtype) for k, v in t.items()}
+    )
+    shutil.copytree(tmp_path / "narrow", tmp_path / "widened")
+    _rewrite_weights(tmp_path / "widened" / "adapter_model.safetensors", lambda t: {k: v.float() for k, v in t.items()})
+    loaded = CCMForCausalLM.from_pretrained(tmp_path / "narrow", base_model=tiny_base("llama")).eval()
+    widened = CCMForCausalLM.from_pretrained(tmp_path / "widened", base_model=tiny_base("llama")).eval()
+    assert all(torch.equal(a, b) for a, b in zip(_answer(loaded), _answer(widened), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda comp: torch.full_like(comp, float("nan")).to(torch.float8_e4m3fn), "with values that are not finite"),
+        (
+            lambda comp: torch.zeros(comp.numel() // 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+            "not floating point, one value per element",
+        ),
+    ],
+)
+def test_8_bit_nan_and_packed_4_bit_weights_are_refused_and_change_nothing(tmp_path, change, named):
+    _adapter(None).save_pretrained(tmp_path / "adapter")
+    _rewrite_weights(
+        tmp_path / "adapter" / "adapter_model.safetensors",
+        lambda tensors: {**tensors, "ccm.comp_embeddings": change(tensors["ccm.comp_embeddings"])},
+    )
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=rf"adapter_model\.safetensors holds tensors .*{named}.*\['ccm\.comp_embeddings'\]"
+    ):
+        target.load_adapter(tmp_path / "adapter")
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
 @pytest.mark.parametrize(
