@@ -376,6 +376,9 @@ def test_resizing_a_crafted_comp_embedding_is_refused_and_changes_nothing(tmp_pa
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def _rewrite_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
@@ -423,6 +426,32 @@ def _lower_rank(tensors):
         (lambda f: _rewrite_json(f / "adapter_config.json", peft_type="IA3"), r"peft_type='IA3' where 'LORA'"),
         (lambda f: _rewrite_json(f / "adapter_config.json", use_dora=True), r"use_dora=True where False"),
         (lambda f: (f / "adapter_config.json").write_text("[]"), r"adapter_config\.json must hold a JSON object"),
+        # PEFT would build another adapter from these files: a LoRA variant, trained biases, other modules.
+        (lambda f: _rewrite_json(f / "adapter_config.json", bias="all"), r"bias='all' where 'none'"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", lora_bias=True), r"lora_bias=True where False"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", modules_to_save=["lm_head"]), r"modules_to_save=\['lm_hea"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", layer_replication=[[0, 2], [1, 2]]), r"layer_replicat"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", alora_invocation_tokens=[5]), r"alora_invocation_tok"),
+        (lambda f: _rewrite_json(f / "adapter_config.json", target_parameters=["mlp.up_proj.weight"]), r"target_param"),
+        (
+            lambda f: _rewrite_json(
+                f / "adapter_config.json", target_modules=list(_ATTENTION), layers_to_transform=[1]
+            ),
+            r"layers_to_transform=\[1\]\) leaves out modules with LoRA weights \['model\.layers\.0\.self_attn\.k_p",
+        ),
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", exclude_modules=["q_proj"]),
+            r"exclude_modules=\['q_proj'\]\) leaves out modules with LoRA weights \['model\.layers\.0\.self_attn\.q_p",
+        ),
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", target_modules="q_proj"),
+            r"target_modules='q_proj'\) leav",
+        ),
+        (lambda f: _rewrite_json(f / "adapter_config.json", target_modules=None), r"has no target_modules"),
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", layers_to_transform=[0]),
+            r"selects modules in a way PEFT refuses \(`layers_to_transform` cannot be used when `target_modules`",
+        ),
         (lambda f: _rewrite_weights(f / "adapter_model.safetensors", _lower_rank), r"not of rank r=8"),
         (
             # No LoRA weight to check the rank against: the model was built with a LoRA of rank 10**9 first.
@@ -472,6 +501,20 @@ def test_files_that_disagree_are_refused_before_any_model_is_built(tmp_path, bas
     with pytest.raises(ValueError, match=named):
         target.load_adapter(tmp_path / "adapter")
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def test_an_adapter_config_that_selects_every_lora_module_in_its_own_way_loads(tmp_path, base_folder):
+    """Module selection is checked as PEFT selects, not by the fields it uses."""
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    _rewrite_json(
+        tmp_path / "adapter" / "adapter_config.json",
+        target_modules=list(_ATTENTION),
+        layers_to_transform=[0, 1],
+        layers_pattern="layers",
+        exclude_modules=["mlp"],
+    )
+    loaded = CCMForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    assert all(torch.equal(a, b) for a, b in zip(_answer(loaded), _answer(_adapter(None)), strict=True))
 
 
 def test_weights_that_do_not_fit_change_nothing(tmp_path):

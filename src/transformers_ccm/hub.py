@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -217,9 +219,35 @@ def _check_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"{path} holds {'; '.join(problems)}; save or download the adapter again.")
 
 
-# What PEFT reads from adapter_config.json to compute the LoRA, with the value a CCM adapter holds (r and
-# lora_alpha come from ccm_config.json): a file that says otherwise would load differently with PEFT.
-_PEFT_FIXED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+# What PEFT reads from adapter_config.json to build and compute the LoRA, with the value a CCM adapter holds (r
+# and lora_alpha come from ccm_config.json): a file that says otherwise (a LoRA variant, trained biases, layers
+# added or replicated) would load differently with PEFT. Unset ones are None in PEFT's files, or left out.
+_PEFT_FIXED = {
+    "peft_type": "LORA",
+    "use_dora": False,
+    "use_rslora": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "bias": "none",
+    "lora_bias": False,
+    "use_qalora": False,
+    **dict.fromkeys(
+        (
+            "modules_to_save",
+            "trainable_token_indices",
+            "layer_replication",
+            "target_parameters",
+            "alora_invocation_tokens",
+            "arrow_config",
+            "kasa_config",
+            "monteclora_config",
+            "use_bdlora",
+            "velora_config",
+        )
+    ),
+}
+# The fields with which adapter_config.json selects the modules PEFT puts its LoRA on.
+_PEFT_TARGETING = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
 
 
 def _check_files_agree(
@@ -243,6 +271,7 @@ def _check_files_agree(
     lora = {key: value for key, value in tensors.items() if "lora_A" in key or "lora_B" in key}
     if not lora:  # else nothing tells the rank of ccm_config.json, and the model is built with it before any check
         problems.append(f"{ADAPTER_WEIGHTS_NAME} holds no LoRA weights (lora_A, lora_B), only {sorted(tensors)[:3]}")
+    problems += _unselected(peft_config, {key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for key in lora})
     rank_axis = {key: 0 if "lora_A" in key else 1 for key in lora}  # lora_A (r, in), lora_B (out, r)
     wrong_rank = {
         key: tuple(value.shape)
@@ -256,6 +285,23 @@ def _check_files_agree(
             f"The files of the adapter at {folder} disagree with its {CONFIG_NAME}: {'; '.join(problems)}. "
             "They do not belong together; save or download the adapter again."
         )
+
+
+def _unselected(peft_config: dict[str, Any], modules: set[str]) -> list[str]:
+    """What keeps adapter_config.json from selecting each of `modules` (those the weights hold a LoRA for), as PEFT
+    selects them: PEFT would leave out the LoRA of a module it does not select."""
+    selection = {key: peft_config.get(key) for key in _PEFT_TARGETING}
+    if selection["target_modules"] is None:
+        return [f"{ADAPTER_CONFIG_NAME} has no target_modules (PEFT would pick its own for the model type)"]
+    try:
+        selects = LoraConfig(**selection)
+        left_out = sorted(name for name in modules if not check_target_module_exists(selects, name))
+    except (TypeError, ValueError, re.error) as error:
+        return [f"{ADAPTER_CONFIG_NAME} selects modules in a way PEFT refuses ({error})"]
+    if not left_out:
+        return []
+    chosen = ", ".join(f"{key}={value!r}" for key, value in selection.items() if value is not None)
+    return [f"{ADAPTER_CONFIG_NAME} ({chosen}) leaves out modules with LoRA weights {left_out[:2]}"]
 
 
 def _what_is_there(folder: Path) -> str:
