@@ -406,6 +406,11 @@ def _comp_only(tensors):
     return {"ccm.comp_embeddings": tensors["ccm.comp_embeddings"]}
 
 
+def _also_unprefixed(tensors):
+    key = next(k for k in tensors if "lora_B" in k)
+    return {**tensors, key.removeprefix("base_model.model."): tensors[key] + 1}
+
+
 def _lower_rank(tensors):
     key = next(k for k in tensors if "lora_A" in k)
     return {**tensors, key: tensors[key][:-1]}
@@ -453,6 +458,11 @@ def _lower_rank(tensors):
             r"selects modules in a way PEFT refuses \(`layers_to_transform` cannot be used when `target_modules`",
         ),
         (lambda f: _rewrite_weights(f / "adapter_model.safetensors", _lower_rank), r"not of rank r=8"),
+        (
+            # PEFT would not load these weights; next to their prefixed names, one of the two was taken silently.
+            lambda f: _rewrite_weights(f / "adapter_model.safetensors", _also_unprefixed),
+            r"adapter_model\.safetensors has tensors without PEFT's key prefix 'base_model\.model\.': \['model\.lay",
+        ),
         (
             # No LoRA weight to check the rank against: the model was built with a LoRA of rank 10**9 first.
             lambda f: (

@@ -261,6 +261,12 @@ def _check_files_agree(
         for key, value in wanted.items()
         if peft_config.get(key, _PEFT_FIXED.get(key)) != value
     ]
+    # PEFT loads only its own key names (and read_adapter drops the prefix: with and without it, one would win).
+    unprefixed = sorted(key for key in tensors if key != COMP_EMBEDDINGS_KEY and not key.startswith(PEFT_PREFIX))
+    if unprefixed:
+        problems.append(
+            f"{ADAPTER_WEIGHTS_NAME} has tensors without PEFT's key prefix '{PEFT_PREFIX}': {unprefixed[:2]}"
+        )
     comp = tensors[COMP_EMBEDDINGS_KEY]
     hidden = (config.base_model_shape or {}).get("hidden_size", comp.shape[-1] if comp.ndim else None)
     if tuple(comp.shape) != (config.num_comp_tokens, hidden):
