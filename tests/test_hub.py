@@ -645,6 +645,16 @@ def test_shipped_names_never_reach_other_folders(name):
         resolve_adapter(name)
 
 
+def test_an_empty_name_is_refused_even_in_an_adapters_folder(tmp_path, monkeypatch):
+    """Path("") is the working folder: an empty name (an unset setting) loaded whatever adapter was there."""
+    _adapter(None).save_pretrained(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^The name is empty; give an adapter's folder, its Hub id or ccm:<n"):
+        CCMForCausalLM.from_pretrained("")
+    with pytest.raises(FileNotFoundError, match=r"^The name is empty; give a model's folder, its Hub id or 'default'"):
+        CCMForCausalLM.from_base("")
+
+
 def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     model = tiny_ccm("llama")
     live = model.base_model.peft_config["default"]

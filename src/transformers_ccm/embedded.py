@@ -57,6 +57,8 @@ def check_local_or_hub(name_or_path: str | os.PathLike[str], fix: str) -> None:
     or a path that does not exist, failed inside transformers or huggingface_hub with words about JSON or repo ids,
     or was looked up on the Hub."""
     name = os.fspath(name_or_path)
+    if not name:
+        raise FileNotFoundError(f"The name is empty; {fix}")
     if os.path.isdir(name):
         return
     if os.path.exists(name):

@@ -148,10 +148,9 @@ def resolve_adapter(
         if name not in shipped_adapters():
             raise FileNotFoundError(f"No shipped adapter {name!r}; shipped: {shipped_adapters()}.")
         return SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    check_local_or_hub(path, "give an adapter's folder, its Hub id or ccm:<name>.")
+    if os.path.isdir(name):  # not `Path(name).is_dir()`: Path("") is the working folder
+        return Path(name)
+    check_local_or_hub(name, "give an adapter's folder, its Hub id or ccm:<name>.")
     try:
         folder = snapshot_download(
             str(name_or_path),
