@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import re
 
 import pytest
@@ -119,6 +120,16 @@ def test_corrupt_or_foreign_files(tmp_path):
         CompressedMemoryCache.load(tmp_path / "other.safetensors", model)
     with pytest.raises(FileNotFoundError):
         CompressedMemoryCache.load(tmp_path / "missing.safetensors", model)
+
+
+def test_a_folder_or_a_named_pipe_is_refused_as_no_memory_file(tmp_path):
+    """A folder read as "No such device"; a named pipe blocked the load for ever, waiting for a writer."""
+    model = tiny_ccm("llama")
+    with pytest.raises(ValueError, match=r"is a folder, not a memory file; give the file that cache\.save\(\) wrote"):
+        CompressedMemoryCache.load(tmp_path, model)
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ValueError, match=r"pipe is not a regular file, not a memory file"):
+        CompressedMemoryCache.load(tmp_path / "pipe", model)
 
 
 def test_cache_used_with_another_model_fails():

@@ -942,6 +942,10 @@ class CompressedMemoryCache(Cache):
         """
         spec = model if isinstance(model, CacheSpec) else model.cache_spec()
         path = os.fspath(path)
+        if os.path.exists(path) and not os.path.isfile(path):
+            # Opened as it is, a named pipe would block for ever and a folder would read as "No such device".
+            kind = "a folder" if os.path.isdir(path) else "not a regular file"
+            raise ValueError(f"{path} is {kind}, not a memory file; give the file that cache.save() wrote.")
         try:
             with safe_open(path, framework="pt") as file:
                 metadata = file.metadata() or {}
