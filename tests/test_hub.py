@@ -655,6 +655,23 @@ def test_an_empty_name_is_refused_even_in_an_adapters_folder(tmp_path, monkeypat
         CCMForCausalLM.from_base("")
 
 
+def test_a_recorded_base_model_that_is_not_here_asks_for_base_model(tmp_path, base_folder):
+    """The error named the fix for a name the caller gave ("give a model's folder"), but the adapter recorded it."""
+    missing = tmp_path / "trainers-machine" / "tiny-llama"
+    _adapter(str(missing)).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"adapter at .*adapter was made for the base model '{missing}', which cannot be loaded here \(.*\)\. "
+        r"Pass base_model= \(its folder, Hub id or loaded model\)\.",
+    ):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter")
+    CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=base_folder)
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "found")
+    with pytest.raises(OSError, match=r"does not appear to have a file named absent\.gguf") as error:
+        CCMForCausalLM.from_pretrained(tmp_path / "found", gguf_file="absent.gguf")  # the caller's argument failed
+    assert "Pass base_model=" not in str(error.value)
+
+
 def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     model = tiny_ccm("llama")
     live = model.base_model.peft_config["default"]

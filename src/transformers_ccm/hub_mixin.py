@@ -109,7 +109,17 @@ class AdapterHubMixin:
                 "cache_dir": cache_dir,
             }
             options = {key: value for key, value in options.items() if value is not None}
-            base_config = load_base_config(base_name, **options, **base_kwargs)
+            try:
+                base_config = load_base_config(base_name, **options, **base_kwargs)
+            except OSError as error:
+                if base_model is not None or base_kwargs:  # the caller's name or arguments: their own error says it
+                    raise
+                # The name comes from the adapter's file (a folder on the machine that trained it, say), not from
+                # the caller, whose fix is to name the base model themselves.
+                raise FileNotFoundError(
+                    f"The adapter at {folder} was made for the base model {base_name!r}, which cannot be loaded here "
+                    f"({error}). Pass base_model= (its folder, Hub id or loaded model)."
+                ) from error
             check_base_shape(config, base_name, base_shape(base_config))
             loading = {"dtype": torch_dtype, "device_map": device_map}
             base = load_base_model(
