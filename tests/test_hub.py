@@ -5,12 +5,16 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
 from huggingface_hub import RepoUrl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig
 from safetensors import safe_open
 
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
@@ -525,6 +529,46 @@ def test_an_adapter_config_that_selects_every_lora_module_in_its_own_way_loads(t
     )
     loaded = CCMForCausalLM.from_pretrained(tmp_path / "adapter").eval()
     assert all(torch.equal(a, b) for a, b in zip(_answer(loaded), _answer(_adapter(None)), strict=True))
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 10**400)
+    | st.floats()
+    | st.sampled_from(["", "q_proj", "(", ".*", "layers", "LORA", "none", "all"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["q_proj", "x"]), inner, max_size=2),
+    max_leaves=4,
+)
+
+
+@pytest.fixture(scope="module")
+def saved_and_target(tmp_path_factory):
+    """An adapter saved to a folder, and another model to load it into (with its own weights as they were)."""
+    folder = tmp_path_factory.mktemp("saved")
+    saved = _adapter(None)
+    saved.save_pretrained(folder)
+    target = _adapter(None, seed=9)
+    return folder, saved.state_dict(), target, {k: v.clone() for k, v in target.state_dict().items()}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from([f.name for f in fields(LoraConfig)]), _JSON_VALUES, max_size=2))
+def test_any_value_in_adapter_config_loads_the_same_adapter_or_is_refused_naming_it(
+    tmp_path_factory, saved_and_target, changes
+):
+    saved, saved_weights, target, own_weights = saved_and_target
+    folder = tmp_path_factory.mktemp("adapter")
+    shutil.copytree(saved, folder, dirs_exist_ok=True)
+    _rewrite_json(folder / "adapter_config.json", **changes)
+    target.load_state_dict(own_weights)
+    try:
+        target.load_adapter(folder)
+    except ValueError as error:
+        assert "adapter_config.json" in str(error), error
+        assert all(torch.equal(v, target.state_dict()[k]) for k, v in own_weights.items())
+    else:
+        assert all(torch.equal(v, target.state_dict()[k]) for k, v in saved_weights.items())
 
 
 def test_weights_that_do_not_fit_change_nothing(tmp_path):
