@@ -716,6 +716,19 @@ def test_a_recorded_base_model_that_is_not_here_asks_for_base_model(tmp_path, ba
     assert "Pass base_model=" not in str(error.value)
 
 
+def test_an_adapter_folder_given_as_base_model_says_to_load_it_with_from_pretrained(tmp_path, base_folder):
+    """from_base loaded the adapter's base with its LoRA unconditional (transformers reads adapter_config.json), then
+    said it "already holds LoRA layers"; as base_model= it failed for want of a model_type."""
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    message = (
+        r"adapter holds a CCM adapter \(ccm_config\.json\), not a base model; load it with CCMForCausalLM\.from_pre"
+    )
+    with pytest.raises(FileNotFoundError, match=message):
+        CCMForCausalLM.from_base(tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match=message):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tmp_path / "adapter")
+
+
 def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     model = tiny_ccm("llama")
     live = model.base_model.peft_config["default"]

@@ -16,6 +16,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from transformers_ccm.config import CONFIG_NAME
 from transformers_ccm.extras import require
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -74,6 +75,13 @@ def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) 
     folder = _embedded(name_or_path)
     if folder is None:
         check_local_or_hub(name_or_path, "give a model's folder, its Hub id or 'default'.")
+        if os.path.isfile(os.path.join(name_or_path, CONFIG_NAME)):
+            # transformers would load its base model with the LoRA applied everywhere (its PEFT integration reads
+            # adapter_config.json), or fail for want of a model_type.
+            raise FileNotFoundError(
+                f"{os.fspath(name_or_path)} holds a CCM adapter ({CONFIG_NAME}), not a base model; load it with "
+                "CCMForCausalLM.from_pretrained, which loads its base model too."
+            )
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
     require("gguf", "Reading the embedded model")
