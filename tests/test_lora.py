@@ -4,10 +4,12 @@ import re
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
 from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.lora import lora_layers
+from transformers_ccm.training import CCMTrainer
 
 IDS = torch.tensor([[5, 17, 33, 8, 61, 4]])
 
@@ -119,6 +121,29 @@ def test_reentrant_checkpointing_is_refused_for_lora_beside_attention():
         model.activation_checkpointing_enable({"use_reentrant": True})
     assert not model.base_model.is_activation_checkpointing
     CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()).activation_checkpointing_enable({"use_reentrant": True})
+
+
+def test_the_trainer_turns_on_activation_checkpointing_with_its_own_arguments(tmp_path):
+    """transformers' Trainer with `activation_checkpointing=True` calls `activation_checkpointing_enable` with
+    transformers' argument names (`activation_checkpointing_kwargs`, `every_n_layers`, `offload`), which failed with
+    a TypeError before the first step."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"every_n_layers": 2},
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+    )
+    samples = [OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])] * 2
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    CCMTrainer(model=model, args=arguments, train_dataset=samples, data_collator=CCMDataCollator(model)).train()
+    assert [layer.gradient_checkpointing for layer in model.base_model.model.layers] == [True, False]
+    trained = dict(model.named_parameters())
+    assert any(not torch.equal(trained[name], weight) for name, weight in before.items())  # the step ran
 
 
 @pytest.mark.parametrize(

@@ -194,11 +194,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         `(batch, seq)` only (everywhere when `conditional_lora=False`)."""
         return self._gate.active(comp_mask)
 
-    def activation_checkpointing_enable(self, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
+    def activation_checkpointing_enable(
+        self,
+        activation_checkpointing_kwargs: dict[str, Any] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
         """Recompute each decoder layer's activations during backward (transformers' activation checkpointing,
-        non-reentrant unless `checkpoint_kwargs` says `use_reentrant=True`), with the LoRA acting in the
-        recomputation exactly where it acted in the forward, whatever modules it targets."""
-        kwargs = {"use_reentrant": False, **(checkpoint_kwargs or {})}
+        non-reentrant unless `activation_checkpointing_kwargs` says `use_reentrant=True`), with the LoRA acting in
+        the recomputation exactly where it acted in the forward, whatever modules it targets.
+
+        The arguments are transformers' (the `Trainer` passes them by name with `activation_checkpointing=True`):
+        `every_n_layers` checkpoints only every n-th decoder layer, `offload` keeps the saved activations in host
+        memory."""
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
         if kwargs["use_reentrant"]:
             inside = {id(m) for a in attention_modules(self.base_model).values() for m in a.modules()}
             outside = [layer for layer in lora_layers(self.base_model) if id(layer) not in inside]
@@ -210,7 +219,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 )
         else:
             kwargs.setdefault("context_fn", LoRAGate.checkpoint_contexts)
-        self.base_model.activation_checkpointing_enable(kwargs)
+        self.base_model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
     def adapter_disabled(self) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere)."""
