@@ -484,6 +484,38 @@ def test_injected_failure_leaves_saved_cache_bytes_unchanged(tmp_path, call, upd
         CALLS[call](model, cache)  # and the cache still works
 
 
+PLAIN_MODEL_CALLS = {
+    "forward": lambda base, cache: base(input_ids=torch.tensor([[20, 21], [22, 23]]), past_key_values=cache),
+    "generate": lambda base, cache: base.generate(
+        torch.tensor([[20, 21], [22, 23]]), past_key_values=cache, max_new_tokens=3, do_sample=False
+    ),
+}
+
+
+# A stream's plain generate() fails inside the base model before it reaches the cache: the stream's tokens so far count
+# as processed, so a short prompt leaves nothing to run.
+@pytest.mark.parametrize(("call", "streaming"), [("forward", False), ("forward", True), ("generate", False)])
+def test_a_cache_given_to_a_plain_model_is_refused_and_left_as_it_was(tmp_path, call, streaming):
+    """The plain base model appended its keys/values to a CompressedMemoryCache without a word: the per-row state did
+    not know of them, so the next compress found nothing to fold and later calls attended to keys of no turn."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama")
+    if streaming:
+        cache = model.new_cache(
+            2, StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+        )
+        model(input_ids=torch.tensor([list(range(3, 15))] * 2), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    untouched = cache.copy()
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    with pytest.raises(ValueError, match="passed to another model"):
+        PLAIN_MODEL_CALLS[call](tiny_base("llama"), cache)
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+    assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

@@ -134,6 +134,7 @@ class MemoryLayer(DynamicLayer):
         super().__init__()
         self.memory_length = 0
         self.accumulated: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.announced = 0  # new tokens that `prepare_forward` registered and this layer has not yet stored
 
     def get_seq_length(self) -> int:
         """Length of the current turn: the memory is a prefix that `generate()` must not count."""
@@ -222,6 +223,7 @@ class StreamingLayer(DynamicLayer):
         self.sink_tokens = sink_tokens
         self.sink_length = self.memory_length = self.window_length = 0
         self.accumulated: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.announced = 0  # as `MemoryLayer.announced`
 
     @property
     def kv_length(self) -> int:
@@ -550,7 +552,33 @@ class CompressedMemoryCache(Cache):
         self.check_batch_size(new_mask.shape[0], "the input")
         self._to(new_mask.device)
         if self.streaming is not None:
-            return self._prepare_stream_forward(new_mask)
+            prepared = self._prepare_stream_forward(new_mask)
+        else:
+            prepared = self._prepare_turn_forward(new_mask)
+        for layer in self.layers:
+            layer.announced = new_mask.shape[1]
+        return prepared
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys/values of the tokens `prepare_forward` registered; refuse any others: a model that did not
+        register them (the plain base model, or any model other than the `CCMForCausalLM` that made this cache) would
+        add keys/values that the per-row state does not know of, corrupting the memory."""
+        layer = self.layers[layer_idx]
+        new = key_states.shape[-2]
+        if new != layer.announced:
+            raise ValueError(
+                f"This CompressedMemoryCache was given keys/values of {new} tokens that its CCMForCausalLM did not "
+                "register: it was passed to another model (the plain base model, say). Run it through the "
+                "CCMForCausalLM that made it (model(...), model.generate(...), model.compress(...)); a plain model "
+                "takes a DynamicCache."
+            )
+        layer.announced = 0
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _prepare_turn_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
         counts = new_mask.sum(-1)
         self._fit_positions(counts)
         rows = self.rows
