@@ -10,7 +10,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import ARCHITECTURES, VOCAB, randomize_adapter, tiny_base, tiny_ccm
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 
 TOLERANCE = 1e-4
 tokens = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=5)
@@ -432,3 +432,30 @@ def test_rows_a_stopping_criterion_stops_early_fold_no_padding():
     )
     assert sequences[0, 4:].tolist() == [0] * 4 and 0 not in sequences[1].tolist()
     _folded_rows(model, cache, sequences, [4, 8])
+
+
+def _forward_inputs(model, path):
+    """The inputs of each path of `CCMForCausalLM.forward`: a training batch, an online turn, a stream in pieces."""
+    ids = torch.arange(3, 30)[None]
+    if path == "training":
+        return {**CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [10, 11], [12, 13])]), "logits_at_labels": True}
+    if path == "online":
+        return {"input_ids": ids, "labels": ids, "past_key_values": _history(model, [[[5, 6, 7]]])}
+    streaming = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    return {"input_ids": ids, "labels": ids, "past_key_values": model.new_cache(streaming=streaming)}
+
+
+@pytest.mark.parametrize("path", ["training", "online", "stream"])
+def test_return_dict_false_gives_the_outputs_as_a_tuple(path):
+    """`return_dict=False` asks for a tuple, as from a transformers model: the training forward with logits_at_labels
+    and an input that a stream runs in pieces failed with an AttributeError."""
+    model = tiny_ccm("llama")
+    with torch.no_grad():
+        expected = model(**_forward_inputs(model, path)).to_tuple()
+        got = model(**_forward_inputs(model, path), return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(expected)
+    for value, want in zip(got, expected, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(value, want, atol=0, rtol=0)
+        else:
+            assert type(value) is type(want)

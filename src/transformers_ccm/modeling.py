@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -56,6 +57,20 @@ TESTED_MODEL_TYPES = (
     "olmo",
     "gpt2",
 )
+
+
+def _tuple_on_request(forward: Callable[..., CausalLMOutputWithPast]) -> Callable[..., Any]:
+    """transformers' `return_dict` for `CCMForCausalLM.forward`: its paths read fields of the base model's outputs, so
+    they always run with `return_dict=True`; the caller gets a tuple when it passes `return_dict=False` (or leaves it
+    unset and the base model's config says so), as from a transformers model."""
+
+    @functools.wraps(forward)
+    def wrapper(self: CCMForCausalLM, *args: Any, return_dict: bool | None = None, **kwargs: Any) -> Any:
+        output = forward(self, *args, return_dict=True, **kwargs)
+        wanted = self.base_model.config.return_dict if return_dict is None else return_dict
+        return output if wanted else output.to_tuple()
+
+    return wrapper
 
 
 class CCMForCausalLM(AdapterHubMixin, nn.Module):
@@ -231,6 +246,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         e.g. the fine-tuned full-context baseline) stays on."""
         return self.adapter_disabled() if self.config.conditional_lora else nullcontext()
 
+    @_tuple_on_request
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
