@@ -117,6 +117,27 @@ def test_logits_to_keep_counts_from_the_end_of_a_split_input(keep):
     torch.testing.assert_close(kept, whole[:, -keep:], atol=1e-5, rtol=0)
 
 
+def test_a_split_input_returns_the_hidden_states_of_its_pieces_and_refuses_attentions():
+    """An input longer than a stream's forward runs in pieces: `output_hidden_states=True` gave None, and
+    `output_attentions=True` was dropped without a word (each piece attends to another window: refused)."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    ids = torch.randint(3, VOCAB, (1, 29))
+    cache = model.new_cache(1, streaming=SMALL)
+    with torch.no_grad():
+        pieces = [
+            model(input_ids=piece, past_key_values=cache, output_hidden_states=True)
+            for piece in ids.split(SMALL.max_forward_tokens, dim=1)
+        ]
+        whole = model(input_ids=ids, past_key_values=model.new_cache(1, streaming=SMALL), output_hidden_states=True)
+    assert len(whole.hidden_states) == len(pieces[0].hidden_states) == model.base_model.config.num_hidden_layers + 1
+    for index, layer in enumerate(whole.hidden_states):
+        torch.testing.assert_close(layer, torch.cat([piece.hidden_states[index] for piece in pieces], dim=1))
+    before = cache.copy()
+    with pytest.raises(ValueError, match=f"pass at most {SMALL.max_forward_tokens} tokens per call"):
+        model(input_ids=ids, past_key_values=cache, output_attentions=True)
+    assert cache.turn_tokens == before.turn_tokens and torch.equal(cache.layers[0].keys, before.layers[0].keys)
+
+
 def test_streaming_forward_loss_is_the_mean_next_token_loss():
     model = tiny_ccm("llama")
     ids = torch.randint(3, VOCAB, (1, 30))

@@ -529,22 +529,33 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     "nothing but padding to the turn; pass at least one token with mask 1 (a row of padding only is "
                     "fine beside rows with tokens)."
                 )
+        step = cache.max_forward_tokens
+        if kwargs.get("output_attentions") and step is not None and tokens.shape[1] > step:
+            raise ValueError(
+                f"output_attentions with {tokens.shape[1]} tokens, which the stream runs in pieces of {step} that each "
+                f"attend to a different window (no one attention map covers them); pass at most {step} tokens per call."
+            )
         with cache.running("model(...)"), self._gate.scope():
             self._run_pending(cache)
-            step = cache.max_forward_tokens
             if step is None or tokens.shape[1] <= step:
                 return self.base_model(
                     **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
                 )
             cache.input_mask(attention_mask)
             keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
-            logits = [
-                self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs).logits
-                for piece in tokens.split(step, dim=1)
+            pieces = [
+                self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs) for piece in tokens.split(step, dim=1)
             ]
-            every = torch.cat(logits, dim=1)
+            every = torch.cat([piece.logits for piece in pieces], dim=1)
+            hidden_states = None
+            if pieces[0].hidden_states is not None:  # per layer, the pieces' positions in order
+                hidden_states = tuple(
+                    torch.cat(layer, dim=1) for layer in zip(*(piece.hidden_states for piece in pieces), strict=True)
+                )
             output = CausalLMOutputWithPast(
-                logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep], **{CACHE_ARGUMENT: cache}
+                logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep],
+                hidden_states=hidden_states,
+                **{CACHE_ARGUMENT: cache},
             )
             # Inside the transaction: labels that do not fit the logits fail the call, which leaves the cache as it was.
             if labels is not None:
