@@ -459,3 +459,17 @@ def test_return_dict_false_gives_the_outputs_as_a_tuple(path):
             torch.testing.assert_close(value, want, atol=0, rtol=0)
         else:
             assert type(value) is type(want)
+
+
+def test_the_models_generation_config_is_the_one_generate_starts_from():
+    """`model.generation_config` failed with an AttributeError, and one assigned to it was ignored: generate() kept
+    the base model's settings (20 tokens instead of 3 here)."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    base = tiny_base("llama")
+    model.generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    base.generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model.base_model.generation_config is model.generation_config
+    model.generation_config.max_new_tokens = base.generation_config.max_new_tokens = 2
+    prompt = torch.tensor([[20, 21, 22]])
+    got = model.generate(prompt, past_key_values=model.new_cache())
+    assert got.shape == (1, 5) and torch.equal(got, base.generate(prompt))

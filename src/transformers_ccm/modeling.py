@@ -132,6 +132,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         return cls(model, config)
 
     @property
+    def generation_config(self) -> GenerationConfig:
+        """The settings `generate()` starts from: the base model's, read and replaced here as on a transformers model
+        (an attribute of this module would be ignored by `generate()`)."""
+        return self.base_model.generation_config
+
+    @generation_config.setter
+    def generation_config(self, config: GenerationConfig) -> None:
+        self.base_model.generation_config = config
+
+    @property
     def device(self) -> torch.device:
         return self.comp_embeddings.device
 
