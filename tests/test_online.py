@@ -473,3 +473,26 @@ def test_the_models_generation_config_is_the_one_generate_starts_from():
     prompt = torch.tensor([[20, 21, 22]])
     got = model.generate(prompt, past_key_values=model.new_cache())
     assert got.shape == (1, 5) and torch.equal(got, base.generate(prompt))
+
+
+ASSISTED = {
+    "assistant_model": lambda: {"assistant_model": tiny_base("llama")},
+    "a CCM assistant": lambda: {"assistant_model": tiny_ccm("llama", update="merge")},
+    "prompt_lookup_num_tokens": lambda: {"prompt_lookup_num_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("option", sorted(ASSISTED))
+def test_assisted_generation_is_refused_naming_its_options(option, batch_size):
+    """Assisted generation crops the drafts it rejects from the cache, which a CompressedMemoryCache cannot do: a batch
+    of two was refused as if one row would do, one row then by a message naming no option, and a CCM assistant
+    failed with an AttributeError."""
+    model = tiny_ccm("llama")
+    cache = _history(model, [[[5, 6, 7]] * batch_size], batch_size)
+    before = cache.copy()
+    with pytest.raises(ValueError, match=r"\(assistant_model, prompt_lookup_num_tokens, assistant_early_exit\)"):
+        model.generate(
+            torch.tensor([[20, 21]] * batch_size), past_key_values=cache, max_new_tokens=3, **ASSISTED[option]()
+        )
+    assert cache.turn_length == 0 and torch.equal(cache.layers[0].keys, before.layers[0].keys)

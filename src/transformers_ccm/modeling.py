@@ -15,6 +15,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from transformers_ccm.attention import (
@@ -466,6 +467,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 attention_mask, input_ids, "input_ids", "prompt token (the memory needs none)"
             )
         settings = self._generation_settings(kwargs)
+        if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                "Assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) crops the draft "
+                "tokens it rejects from the cache, and a CompressedMemoryCache cannot be cropped: its memory is "
+                "compressed. Generate without those options."
+            )
         if not settings.use_cache:  # the memory is in the cache: decoding without it would feed every token again
             if kwargs.get("generation_config") is not None and "use_cache" not in kwargs:
                 kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
