@@ -496,3 +496,16 @@ def test_assisted_generation_is_refused_naming_its_options(option, batch_size):
             torch.tensor([[20, 21]] * batch_size), past_key_values=cache, max_new_tokens=3, **ASSISTED[option]()
         )
     assert cache.turn_length == 0 and torch.equal(cache.layers[0].keys, before.layers[0].keys)
+
+
+@pytest.mark.parametrize("given", ["segment_ids", "comp_mask", "position_ids", "logits_at_labels"])
+def test_training_arguments_beside_a_cache_are_refused(given):
+    """The online forward ignored the training batch's segment_ids, comp_mask and position_ids (its ids, <COMP>
+    placeholders included, then ran as a turn) and logits_at_labels (all logits came back)."""
+    model = tiny_ccm("llama")
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [10, 11], [12, 13])])
+    cache = _history(model, [[[5, 6, 7]]])
+    value = True if given == "logits_at_labels" else batch[given]
+    with pytest.raises(ValueError, match=f"{given} belong to the training forward"):
+        model(input_ids=batch["input_ids"], labels=batch["labels"], past_key_values=cache, **{given: value})
+    assert cache.turn_length == 0

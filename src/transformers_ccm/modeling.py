@@ -278,7 +278,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             comp_mask: `(batch, seq)` bool, True at `<COMP>` tokens.
             labels: `(batch, seq)` long, -100 except at output tokens; the loss is next-token NLL on those.
             past_key_values: online only: the memory to attend to; the new tokens join its current turn (also
-                accepted as `cache`, transformers' name since 5.24).
+                accepted as `cache`, transformers' name since 5.24). With it, the training-only arguments
+                (segment_ids, comp_mask, position_ids, logits_at_labels) are refused.
             attention_mask: online only: `(batch, new)` or `(batch, turn + new)`, 0 at padding.
             logits_at_labels: training only: run the LM head only at the positions that predict a label (the
                 same loss, a fraction of the head's cost); `out.logits` then holds those positions only,
@@ -286,6 +287,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """
         past_key_values = _given_cache(past_key_values, kwargs)
         if isinstance(past_key_values, CompressedMemoryCache):
+            training = {"segment_ids": segment_ids, "comp_mask": comp_mask, "position_ids": position_ids}
+            given = [name for name, value in training.items() if value is not None]
+            given += ["logits_at_labels"] if logits_at_labels else []
+            if given:  # the online path would ignore them: a training batch's ids would run as a turn
+                raise ValueError(
+                    f"{', '.join(given)} belong to the training forward (a CCMDataCollator batch, without a cache). "
+                    "With a CompressedMemoryCache pass input_ids (or inputs_embeds) and attention_mask only: the cache "
+                    "numbers the positions itself."
+                )
             return self._online_forward(past_key_values, input_ids, attention_mask, labels, **kwargs)
         if past_key_values is not None:
             return self.base_model(
