@@ -509,3 +509,23 @@ def test_training_arguments_beside_a_cache_are_refused(given):
     with pytest.raises(ValueError, match=f"{given} belong to the training forward"):
         model(input_ids=batch["input_ids"], labels=batch["labels"], past_key_values=cache, **{given: value})
     assert cache.turn_length == 0
+
+
+def test_a_cache_implementation_saved_on_the_base_model_is_overridden_and_a_given_one_refused():
+    """A base model whose saved generation_config names a cache_implementation ("static", say) could not generate at
+    all: transformers refused it beside the CompressedMemoryCache that every CCM generate() passes."""
+    base = tiny_base("llama")
+    expected = base.generate(torch.tensor([[20, 21]]), max_new_tokens=4, do_sample=False)
+    base.generation_config.cache_implementation = "static"
+    model = randomize_adapter(CCMForCausalLM.from_base(base, CCMConfig()))
+    for settings_ in ({}, {"generation_config": GenerationConfig(max_new_tokens=4, do_sample=False)}):
+        got = model.generate(torch.tensor([[20, 21]]), past_key_values=model.new_cache(), max_new_tokens=4, **settings_)
+        assert torch.equal(got, expected)
+    cache = model.new_cache()
+    for asked in (
+        {"cache_implementation": "dynamic"},
+        {"generation_config": GenerationConfig(cache_implementation="static")},
+    ):
+        with pytest.raises(ValueError, match=r"cache_implementation=.* asks generate\(\) to build a cache of its own"):
+            model.generate(torch.tensor([[20, 21]]), past_key_values=cache, max_new_tokens=2, **asked)
+        assert not cache.has_unfolded_turn

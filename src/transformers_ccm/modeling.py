@@ -489,6 +489,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 kwargs["generation_config"].use_cache = True
             else:
                 kwargs["use_cache"] = True
+        if settings.cache_implementation is not None:
+            given = kwargs.get("generation_config")
+            asked = kwargs.get("cache_implementation") or getattr(given, "cache_implementation", None)
+            if asked is not None:
+                raise ValueError(
+                    f"cache_implementation={asked!r} asks generate() to build a cache of its own, but a CCM model "
+                    "decodes with its CompressedMemoryCache, which holds the memory; drop the option."
+                )
+            # Saved on the base model for its own caches (transformers refuses it beside a given cache).
+            kwargs["cache_implementation"] = None
         num_sequences = settings.num_return_sequences or 1
         expand = max(settings.num_beams or 1, num_sequences)
         with cache.running("generate()"), self._gate.scope():
