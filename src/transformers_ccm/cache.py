@@ -442,14 +442,6 @@ class CompressedMemoryCache(Cache):
         it pending for `compress` to fold."""
         return self.streaming is not None
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hold the new keys/values in the model's dtype: under `torch.autocast` the projections give them in the
-        autocast dtype, and a memory saved in it was a file that `load` refuses."""
-        dtype = self.spec.dtype
-        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.streaming is not None:
             return self.turn_tokens
@@ -562,9 +554,11 @@ class CompressedMemoryCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the keys/values of the tokens `prepare_forward` registered; refuse any others: a model that did not
-        register them (the plain base model, or any model other than the `CCMForCausalLM` that made this cache) would
-        add keys/values that the per-row state does not know of, corrupting the memory."""
+        """Store the keys/values of the tokens `prepare_forward` registered, in the model's dtype; refuse any others:
+        a model that did not register them (the plain base model, or any model other than the `CCMForCausalLM` that
+        made this cache) would add keys/values that the per-row state does not know of, corrupting the memory. Under
+        `torch.autocast` the projections give keys/values in the autocast dtype, and a memory saved in it was a file
+        that `load` refuses."""
         layer = self.layers[layer_idx]
         new = key_states.shape[-2]
         if new != layer.announced:
@@ -575,7 +569,8 @@ class CompressedMemoryCache(Cache):
                 "takes a DynamicCache."
             )
         layer.announced = 0
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        dtype = self.spec.dtype
+        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
     def _prepare_turn_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
