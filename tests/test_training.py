@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import TrainingArguments
 
 from tiny_models import (
     VOCAB,
@@ -20,8 +21,9 @@ from tiny_models import (
     tiny_base,
     tiny_full_context_baseline,
 )
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
-from transformers_ccm.training import SimilarLengthSampler, TrainingRecipe, train
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
+from transformers_ccm.stream_training import StreamCollator
+from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
 
@@ -356,3 +358,51 @@ def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
     assert torch.equal(before, model.comp_embeddings) and not (tmp_path / "out").exists()
     dense = OnlineSample([[11, 41], [12, 42]], [QUERY])  # dense supervision learns from its second context
     assert CCMDataCollator(model, supervision="dense").supervised_tokens(dense) == 1
+
+
+def _step_gradients(
+    samples: list, cuts: list[int], distill_weight: float, streaming: StreamingConfig | None, folder
+) -> dict[str, torch.Tensor]:
+    """The adapter's gradients after one optimizer step of `CCMTrainer` over `samples`, fed as the batches that
+    `cuts` (indices) split them into, each accumulated as the Trainer does (its own `training_step`)."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))).train()
+    bounds = [0, *cuts, len(samples)]
+    args = TrainingArguments(
+        folder, use_cpu=True, report_to="none", remove_unused_columns=False, gradient_accumulation_steps=len(bounds) - 1
+    )
+    collate = CCMDataCollator(model) if streaming is None else StreamCollator(streaming, model.vocabulary_size)
+    trainer = CCMTrainer(model=model, args=args, train_dataset=samples, data_collator=collate)
+    trainer.distill_weight, trainer.streaming, trainer.stream_piece = distill_weight, streaming, 4
+    batches = [collate(samples[start:end]) for start, end in itertools.pairwise(bounds)]
+    items = sum(int((batch["labels"] != -100).sum()) for batch in batches)  # what the Trainer counts
+    for batch in batches:
+        trainer.training_step(model, batch, torch.tensor(items))
+    return {name: parameter.grad for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seeds=st.lists(st.integers(0, 10_000), min_size=2, max_size=5),
+    cut=st.integers(1, 4),
+    distill_weight=st.sampled_from([0.0, 1.0]),
+    streams=st.booleans(),
+)
+def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, seeds, cut, distill_weight, streams):
+    """The distillation KL was averaged per accumulated batch while the NLL beside it is summed over the labels of
+    the whole step: gradient accumulation over N batches weighed the KL N times as much as one batch of them all."""
+    cut = min(cut, len(seeds) - 1)
+    if streams:
+        streaming = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+        samples = [random.Random(seed).choices(range(3, VOCAB), k=19) for seed in seeds]
+    else:
+        streaming = None
+        # Outputs and contexts of several lengths: batches are padded differently when cut.
+        samples = [
+            replace(sample, output=sample.output * random.Random(seed).randint(1, 3))
+            for sample, seed in ((recall_sample(random.Random(seed)), seed) for seed in seeds)
+        ]
+    whole = _step_gradients(samples, [], distill_weight, streaming, tmp_path)
+    accumulated = _step_gradients(samples, [cut], distill_weight, streaming, tmp_path)
+    for name, gradient in whole.items():  # None: a LoRA that feeds nothing (the last layer's <COMP> queries)
+        assert (gradient is None) == (accumulated[name] is None), name
+        assert gradient is None or torch.allclose(accumulated[name], gradient, atol=1e-5, rtol=1e-4), name

@@ -40,14 +40,18 @@ def distillation_loss(
     temperature: float = 1.0,
     positions: torch.Tensor | None = None,
     teacher: CCMForCausalLM | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
-    """Mean KL(teacher || student) over the positions that predict a label, scaled by `temperature**2`.
+    """KL(teacher || student) summed over the positions that predict a label and divided by `num_items_in_batch`
+    (when given: the labels of every batch of the optimizer step, as the NLL is), else their mean; scaled by
+    `temperature**2`.
 
     Args:
         batch: a `CCMDataCollator` batch with `labels`.
         student_logits: `(batch, seq, vocab)` logits of the CCM forward on `batch`, or `(batch, k, vocab)` at the
             sequence positions `positions` `(k,)` (what `model(..., logits_at_labels=True)` returns).
         teacher: the model whose reading of the plain history is the target; None: `model` itself.
+        num_items_in_batch: the Trainer's count of labels over the gradient-accumulated batches.
     """
     columns = torch.arange(batch["labels"].shape[1], device=student_logits.device) if positions is None else positions
     next_label = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)[:, columns]
@@ -58,7 +62,7 @@ def distillation_loss(
     kept, column_in_kept = torch.unique(index[:, columns][supervised], return_inverse=True)
     teacher_logits = plain_prompt_logits(model if teacher is None else teacher, teacher_ids, kept)
     target = teacher_logits[rows[supervised], column_in_kept]
-    return kl_to_teacher(student_logits[supervised], target, temperature)
+    return kl_to_teacher(student_logits[supervised], target, temperature, num_items_in_batch)
 
 
 def plain_prompt_logits(
@@ -71,8 +75,18 @@ def plain_prompt_logits(
         return teacher.base_model(input_ids=input_ids, logits_to_keep=0 if positions is None else positions).logits
 
 
-def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mean KL(teacher || student) over positions `(positions, vocab)`, scaled by `temperature**2`."""
+def kl_to_teacher(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """KL(teacher || student) over positions `(positions, vocab)`, scaled by `temperature**2`: summed and divided by
+    `num_items_in_batch` when given, else the mean over the positions.
+
+    The Trainer sums the losses of the batches it accumulates (they are normalized by the labels of all of them):
+    a mean per batch would weigh the KL `gradient_accumulation` times more than the NLL beside it."""
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
     teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+    total = F.kl_div(student, teacher, log_target=True, reduction="sum") * temperature**2
+    return total / (num_items_in_batch if num_items_in_batch is not None else student_logits.shape[0])

@@ -73,7 +73,8 @@ def stream_loss(
 ) -> torch.Tensor:
     """NLL (summed over `num_items_in_batch` labels when given, else the mean) of every labelled token of a
     `StreamCollator` batch, streamed through a fresh cache `piece` tokens per forward after the sink and window
-    fill, plus `distill_weight` times KL(teacher over the whole stretch || streamed model) at the same positions;
+    fill, plus `distill_weight` times KL(teacher over the whole stretch || streamed model) at the same positions,
+    normalized alike;
     the teacher is `teacher` reading plain text, by default `model`'s base model (see `distillation`)."""
     input_ids, labels = batch["input_ids"], batch["labels"]
     warm = tokens_before_compression(streaming)
@@ -89,5 +90,7 @@ def stream_loss(
         streamed = torch.arange(warm, input_ids.shape[1] - 1, device=input_ids.device)
         target = plain_prompt_logits(model if teacher is None else teacher, input_ids, streamed)
         supervised = targets != IGNORE_INDEX
-        loss = loss + distill_weight * kl_to_teacher(logits[supervised], target[supervised], temperature)
+        loss = loss + distill_weight * kl_to_teacher(
+            logits[supervised], target[supervised], temperature, num_items_in_batch
+        )
     return loss

@@ -133,7 +133,13 @@ class CCMTrainer(Trainer):
             # The teacher is not the module accelerate wrapped: its forward runs under the same autocast here.
             with self.accelerator.autocast():
                 distilled = distillation_loss(
-                    unwrapped, inputs, outputs.logits, self.distill_temperature, positions, self.distill_teacher
+                    unwrapped,
+                    inputs,
+                    outputs.logits,
+                    self.distill_temperature,
+                    positions,
+                    self.distill_teacher,
+                    num_items_in_batch,
                 )
             loss = loss + self.distill_weight * distilled
         return (loss, outputs) if return_outputs else loss
