@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed_training import EVAL_SAMPLES
 from tiny_models import tiny_base, tiny_llama_for
-from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.identity import adapter_digest
 from transformers_ccm.training import train
@@ -51,6 +52,11 @@ def test_two_processes_train_one_adapter_and_only_the_main_one_writes(tmp_path, 
     assert adapter_digest(tensors) == ranks[0]["adapter"]
     halfway = CCMForCausalLM.from_pretrained(output / "checkpoint-2", base_model=tiny_base("llama"))
     assert not torch.equal(saved.comp_embeddings, halfway.comp_embeddings)  # it trained
+    # The loss of every process's share of the labels, over the labels of both, was not multiplied back by the
+    # number of processes: the logged losses and the gradients came out halved.
+    with torch.no_grad():
+        expected = saved.eval()(**CCMDataCollator(saved)(EVAL_SAMPLES)).loss.item()
+    assert ranks[0]["eval_loss"] == ranks[1]["eval_loss"] == [pytest.approx(expected, rel=1e-5)]
 
 
 def test_ccm_train_under_torchrun_ends_cleanly_on_every_process(tmp_path):

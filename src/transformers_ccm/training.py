@@ -124,6 +124,7 @@ class CCMTrainer(Trainer):
                     num_items_in_batch,
                     self.distill_teacher,
                 )
+            loss = self._scaled_for_processes(loss, num_items_in_batch)
             return (loss, {"loss": loss}) if return_outputs else loss
         outputs = model(**inputs, logits_at_labels=True, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss
@@ -142,7 +143,19 @@ class CCMTrainer(Trainer):
                     num_items_in_batch,
                 )
             loss = loss + self.distill_weight * distilled
+        loss = self._scaled_for_processes(loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _scaled_for_processes(self, loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+        """`loss`, normalized by `num_items_in_batch`, as `Trainer.compute_loss` scales it: with
+        `average_tokens_across_devices` (the default) that count holds the labels of every process, and DDP averages
+        the processes' gradients (and the Trainer their logged losses), so each process's share of the sum is
+        multiplied by the number of processes; else the loss, the eval loss and the gradients were that many times
+        too small."""
+        if not self.args.average_tokens_across_devices or num_items_in_batch is None:
+            return loss
+        processes = self.accelerator.num_processes // self.get_tp_size()
+        return loss * (processes if self.args.n_gpu <= 1 else self.args.n_gpu)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
