@@ -406,3 +406,19 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, seeds, cu
     for name, gradient in whole.items():  # None: a LoRA that feeds nothing (the last layer's <COMP> queries)
         assert (gradient is None) == (accumulated[name] is None), name
         assert gradient is None or torch.allclose(accumulated[name], gradient, atol=1e-5, rtol=1e-4), name
+
+
+def test_a_run_resumed_in_a_later_epoch_ends_as_the_uninterrupted_run(tmp_path):
+    """Length-grouped batches were drawn from one generator, advanced by each pass: a run resumed in its second epoch
+    drew the first epoch's order again, trained on other batches than the run it continued and ended elsewhere."""
+    samples = [OnlineSample([[11 + i, 41] * (1 + i)], [QUERY], [41 + i]) for i in range(8)]  # four batches an epoch
+    recipe = TrainingRecipe(steps=8, batch_size=2, save_every=5, learning_rate=1e-2)
+    whole = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    train(whole, None, samples, None, tmp_path / "whole", recipe)
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-5", tmp_path / "resumed" / "checkpoint-5")  # in epoch 2
+    resumed = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    assert train(resumed, None, samples, None, tmp_path / "resumed", recipe, resume=True).state.global_step == 8
+    expected = whole.adapter_tensors()
+    for name, tensor in resumed.adapter_tensors().items():
+        assert torch.allclose(tensor, expected[name], atol=1e-6), name

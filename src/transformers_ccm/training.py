@@ -47,14 +47,23 @@ class SimilarLengthSampler(torch.utils.data.Sampler[int]):
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.group = group
-        self.generator = torch.Generator().manual_seed(seed)  # advanced by each pass: every epoch draws anew
+        self.seed = seed
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the batches of pass `epoch` (the Trainer sets it before each epoch, as torch's `DistributedSampler`
+        takes it)."""
+        self.epoch = epoch
+
     def batches(self) -> list[list[int]]:
-        """One pass: the batches, each a list of sample indices."""
-        shuffled = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        """One pass: the batches, each a list of sample indices, drawn anew for each epoch."""
+        # Seeded by the epoch, not advanced pass by pass: a run resumed in a later epoch starts a fresh sampler,
+        # which must draw the batches that the run it continues drew there.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        shuffled = torch.randperm(len(self.lengths), generator=generator).tolist()
         span = self.group * self.batch_size
         batches = []
         for start in range(0, len(shuffled), span):
@@ -62,7 +71,7 @@ class SimilarLengthSampler(torch.utils.data.Sampler[int]):
             batches += [by_length[i : i + self.batch_size] for i in range(0, len(by_length), self.batch_size)]
         if not batches:
             return []
-        order = torch.randperm(len(batches), generator=self.generator).tolist()
+        order = torch.randperm(len(batches), generator=generator).tolist()
         longest = max(range(len(batches)), key=lambda index: self.lengths[batches[index][0]])
         order.remove(longest)
         return [batches[index] for index in [longest, *order]]
