@@ -21,7 +21,14 @@ from tiny_models import (
     tiny_base,
     tiny_full_context_baseline,
 )
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
+from transformers_ccm import (
+    CCMConfig,
+    CCMDataCollator,
+    CCMForCausalLM,
+    CompressedMemoryCache,
+    OnlineSample,
+    StreamingConfig,
+)
 from transformers_ccm.stream_training import StreamCollator
 from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, train
 
@@ -422,3 +429,29 @@ def test_a_run_resumed_in_a_later_epoch_ends_as_the_uninterrupted_run(tmp_path):
     expected = whole.adapter_tensors()
     for name, tensor in resumed.adapter_tensors().items():
         assert torch.allclose(tensor, expected[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("streams", [False, True])
+def test_a_cache_made_before_training_is_refused_after_it(tmp_path, streams):
+    """The Trainer's fused AdamW writes the weights without counting the writes in their version counters, by which
+    the model knows when to hash its adapter again: a cache made before train() was taken as the trained adapter's,
+    and one made after carried the old adapter's digest, so the trained adapter, loaded from its files, refused it."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    context = torch.tensor([[11, 41, 12]])
+    before = model.new_cache()
+    model.compress(before, context)
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=2, learning_rate=1e-2)
+    if streams:
+        recipe = replace(recipe, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4))
+        samples = [random.Random(seed).choices(range(3, VOCAB), k=14) for seed in range(4)]
+    else:
+        samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    train(model, None, samples, None, tmp_path / "out", recipe)
+    with pytest.raises(ValueError, match=r"belongs to another model or adapter .*adapter_sha256"):
+        model.compress(before, context)
+    after = model.new_cache()
+    model.compress(after, context)
+    after.save(tmp_path / "memory.safetensors")
+    trained = CCMForCausalLM.from_pretrained(tmp_path / "out", base_model=tiny_base("llama"))
+    loaded = CompressedMemoryCache.load(tmp_path / "memory.safetensors", trained)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, after.layers, strict=True))

@@ -166,8 +166,25 @@ class CCMTrainer(Trainer):
         processes = self.accelerator.num_processes // self.get_tp_size()
         return loss * (processes if self.args.n_gpu <= 1 else self.args.n_gpu)
 
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        created = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if created:
+            optimizer.register_step_post_hook(_count_parameter_writes)
+        return optimizer
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
+
+
+def _count_parameter_writes(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step hook: count the step's writes in every parameter's version counter. A fused optimizer (torch's
+    `AdamW(fused=True)`, the Trainer's default) writes the weights without counting, and the model hashes its
+    adapter again for its memory signature only when a counter moved: caches made before training were accepted
+    after it, and ones made after carried the old adapter's digest."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            torch.autograd.graph.increment_version(parameter)
 
 
 @dataclass
