@@ -353,16 +353,19 @@ def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
     tmp_path, supervision, unlabelled, message, where
 ):
     """A batch drawn from output-less samples had no loss, and the Trainer failed with `TypeError: unsupported
-    operand type(s) for /: 'NoneType' and 'int'` at that step."""
+    operand type(s) for /: 'NoneType' and 'int'` at that step. The refusal leaves the model as it was."""
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
     before = model.comp_embeddings.detach().clone()
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
     bad = [*samples[:3], unlabelled]
     train_samples, eval_samples = (bad, None) if where == "train" else (samples, bad)
-    recipe = TrainingRecipe(steps=2, batch_size=2, eval_every=1, save_every=1, supervision=supervision)
+    recipe = TrainingRecipe(
+        steps=2, batch_size=2, eval_every=1, save_every=1, supervision=supervision, gradient_checkpointing=True
+    )
     with pytest.raises(ValueError, match=rf"{where}_samples\[3\] {re.escape(message)}"):
         train(model, None, train_samples, eval_samples, tmp_path / "out", recipe)
     assert torch.equal(before, model.comp_embeddings) and not (tmp_path / "out").exists()
+    assert not model.base_model.is_activation_checkpointing  # it was switched on before the samples were read
     dense = OnlineSample([[11, 41], [12, 42]], [QUERY])  # dense supervision learns from its second context
     assert CCMDataCollator(model, supervision="dense").supervised_tokens(dense) == 1
 

@@ -274,8 +274,6 @@ def train(
         _check_teacher(model, teacher)
     if resume:
         check_resume(output_dir, model.config)
-    if recipe.gradient_checkpointing:
-        model.activation_checkpointing_enable()
     args = TrainingArguments(
         output_dir=os.fspath(output_dir),
         max_steps=recipe.steps,
@@ -329,6 +327,8 @@ def train(
         train_samples = collator.checked(train_samples, "train_samples")
         if eval_samples:
             eval_samples = collator.checked(eval_samples, "eval_samples")
+    if recipe.gradient_checkpointing:  # once every sample is read: a refused one leaves the model as it was
+        model.activation_checkpointing_enable()
     trainer = CCMTrainer(
         model=model,
         args=args,
