@@ -783,6 +783,19 @@ def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, 
     assert not (tmp_path / "fresh").exists()
 
 
+def test_train_refuses_to_start_anew_beside_the_checkpoints_of_another_run_before_the_model_loads(
+    adapter, tmp_path, capsys
+):
+    """Without --resume, a run into a folder of an earlier run's checkpoints wrote its own among them, and a --resume
+    after it was cut short went on from the earlier run's."""
+    run = tmp_path / "run"
+    shutil.copytree(adapter, run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(run)])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "holds the checkpoints of an earlier run" in error and "--resume" in error
+
+
 @pytest.mark.parametrize("command", ["eval", "stream-eval", "chat", "demo"])
 def test_a_device_that_is_not_here_is_refused_before_the_model_loads(tmp_path, capsys, command):
     """A misspelt --device failed with torch's RuntimeError traceback, and a GPU that is not there with 'Torch not

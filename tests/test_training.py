@@ -458,3 +458,20 @@ def test_a_cache_made_before_training_is_refused_after_it(tmp_path, streams):
     trained = CCMForCausalLM.from_pretrained(tmp_path / "out", base_model=tiny_base("llama"))
     loaded = CompressedMemoryCache.load(tmp_path / "memory.safetensors", trained)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, after.layers, strict=True))
+
+
+def test_a_new_run_into_the_folder_of_an_earlier_one_is_refused(tmp_path_factory, two_checkpoints):
+    """A run started anew beside an earlier run's checkpoints wrote its own among them; cut short and resumed, it
+    went on from the earlier run's last checkpoint (the highest step wins), or ended at once on it and saved that
+    run's adapter as its own."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("again") / "run"
+    shutil.copytree(folder, run)
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    message = r"run holds the checkpoints of an earlier run \(.*checkpoint-2\); continue that run with resume=True"
+    with pytest.raises(ValueError, match=message):
+        train(model, None, samples, None, run, TrainingRecipe(steps=1, batch_size=2, save_every=1))
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())

@@ -116,7 +116,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.training import TrainingRecipe, check_resume, check_training_setup, train
+    from transformers_ccm.training import (
+        TrainingRecipe,
+        check_fresh_start,
+        check_resume,
+        check_training_setup,
+        train,
+    )
 
     _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
     _check_output_dir(args.output_dir)
@@ -174,6 +180,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
     if args.resume:
         check_resume(args.output_dir, config)
+    else:
+        check_fresh_start(args.output_dir)
     # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
     # only here for text tasks.
     tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))

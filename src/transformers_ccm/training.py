@@ -274,6 +274,8 @@ def train(
         _check_teacher(model, teacher)
     if resume:
         check_resume(output_dir, model.config)
+    else:
+        check_fresh_start(output_dir)
     args = TrainingArguments(
         output_dir=os.fspath(output_dir),
         max_steps=recipe.steps,
@@ -466,6 +468,20 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
             raise ValueError(f"{path} is damaged ({error}); {fix}") from None
         if bad_member is not None:
             raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
+
+
+def check_fresh_start(output_dir: str | os.PathLike[str]) -> None:
+    """Raise a ValueError naming the checkpoint unless `output_dir` holds none, for a run that starts anew
+    (`ccm train` without `--resume` asks before any model loads). A new run there wrote its checkpoints among the
+    earlier run's, and `resume=True` after it was cut short continued the earlier run's last checkpoint (the highest
+    step wins), or ended at once on it, saving its adapter as the new run's."""
+    checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
+    if checkpoint is not None:
+        raise ValueError(
+            f"{os.fspath(output_dir)} holds the checkpoints of an earlier run ({checkpoint}); continue that run with "
+            "resume=True (ccm train --resume), or train anew into another output folder (or delete its checkpoint-* "
+            "folders)."
+        )
 
 
 def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher: bool = False) -> None:
