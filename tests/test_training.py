@@ -179,11 +179,18 @@ def test_a_recipe_takes_only_positive_steps(steps, batch_size):
         ("llama", 0.0, "distill_weight is 0"),
         ("mistral", 1.0, "give an adapter of the same base"),
         (None, 1.0, "teacher is the model being trained"),
+        # Reading the plain history with its adapter off, it was its base model: teacher=None, without a word.
+        ("compression", 1.0, r"is a compression adapter \(conditional_lora=True\).*leave teacher=None"),
     ],
 )
 def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_weight, message):
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
-    teacher = model if teacher_base is None else tiny_full_context_baseline(teacher_base)
+    if teacher_base is None:
+        teacher = model
+    elif teacher_base == "compression":
+        teacher = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    else:
+        teacher = tiny_full_context_baseline(teacher_base)
     recipe = TrainingRecipe(steps=1, batch_size=2, distill_weight=distill_weight)
     with pytest.raises(ValueError, match=message):
         train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path / "out", recipe, teacher=teacher)

@@ -519,11 +519,19 @@ def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher
 
 
 def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM) -> None:
-    """Raise unless `teacher` can teach `model`: another model, of the same base model shape (the teacher's logits
-    are compared with the student's token by token)."""
+    """Raise unless `teacher` can teach `model`: another model, with a LoRA that reads plain prompts (a compression
+    adapter's is off there), of the same base model shape (the teacher's logits are compared with the student's token
+    by token)."""
     if teacher is model:
         raise ValueError(
             "The teacher is the model being trained; leave teacher=None to distill from its own base model."
+        )
+    if teacher.config.conditional_lora:
+        raise ValueError(
+            "The distillation teacher is a compression adapter (conditional_lora=True): it reads the plain history "
+            "with its adapter off, as its base model, so it would teach what teacher=None does. Give a fine-tuned "
+            "full-context baseline (conditional_lora=False, ccm train --method full-context), or leave teacher=None "
+            "to distil from the base model."
         )
     if teacher.config.base_model_shape != model.config.base_model_shape:
         raise ValueError(
