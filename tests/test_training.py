@@ -482,3 +482,21 @@ def test_a_new_run_into_the_folder_of_an_earlier_one_is_refused(tmp_path_factory
         train(model, None, samples, None, run, TrainingRecipe(steps=1, batch_size=2, save_every=1))
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        TrainingRecipe(steps=2, batch_size=2),
+        TrainingRecipe(steps=2, batch_size=2, group_by_length=False),
+        TrainingRecipe(steps=2, batch_size=2, streaming=StreamingConfig(window_tokens=8, compress_chunk=4)),
+    ],
+    ids=["grouped", "shuffled", "streams"],
+)
+def test_train_refuses_no_samples_before_any_work(tmp_path, recipe):
+    """No training samples ran no step and saved the untrained adapter as the result (length-grouped batches), or
+    failed on torch's `num_samples should be a positive integer value` or on `got lengths []`."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    with pytest.raises(ValueError, match=r"^train_samples is empty; give at least one sample to train on\.$"):
+        train(model, None, [], None, tmp_path / "out", recipe)
+    assert not (tmp_path / "out").exists()

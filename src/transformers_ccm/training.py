@@ -266,6 +266,8 @@ def train(
     plain history with its LoRA on; it is frozen and moved to `model`'s device.
     """
     _refuse_sharded_launch()
+    if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
+        raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
