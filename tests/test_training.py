@@ -377,20 +377,12 @@ def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
     assert CCMDataCollator(model, supervision="dense").supervised_tokens(dense) == 1
 
 
-def _step_gradients(
-    samples: list, cuts: list[int], distill_weight: float, streaming: StreamingConfig | None, folder
-) -> dict[str, torch.Tensor]:
-    """The adapter's gradients after one optimizer step of `CCMTrainer` over `samples`, fed as the batches that
-    `cuts` (indices) split them into, each accumulated as the Trainer does (its own `training_step`)."""
-    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))).train()
-    bounds = [0, *cuts, len(samples)]
-    args = TrainingArguments(
-        folder, use_cpu=True, report_to="none", remove_unused_columns=False, gradient_accumulation_steps=len(bounds) - 1
-    )
-    collate = CCMDataCollator(model) if streaming is None else StreamCollator(streaming, model.vocabulary_size)
-    trainer = CCMTrainer(model=model, args=args, train_dataset=samples, data_collator=collate)
-    trainer.distill_weight, trainer.streaming, trainer.stream_piece = distill_weight, streaming, 4
-    batches = [collate(samples[start:end]) for start, end in itertools.pairwise(bounds)]
+def _step_gradients(trainer: CCMTrainer, samples: list, cuts: list[int]) -> dict[str, torch.Tensor | None]:
+    """The adapter's gradients after one optimizer step of `trainer` over `samples`, fed as the batches that `cuts`
+    (indices) split them into, each accumulated by the Trainer's own `training_step`."""
+    model, collate = trainer.model, trainer.data_collator
+    model.zero_grad(set_to_none=True)
+    batches = [collate(samples[start:end]) for start, end in itertools.pairwise([0, *cuts, len(samples)])]
     items = sum(int((batch["labels"] != -100).sum()) for batch in batches)  # what the Trainer counts
     for batch in batches:
         trainer.training_step(model, batch, torch.tensor(items))
@@ -407,10 +399,11 @@ def _step_gradients(
 def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, seeds, cut, distill_weight, streams):
     """The distillation KL was averaged per accumulated batch while the NLL beside it is summed over the labels of
     the whole step: gradient accumulation over N batches weighed the KL N times as much as one batch of them all."""
-    cut = min(cut, len(seeds) - 1)
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))).train()
     if streams:
         streaming = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
         samples = [random.Random(seed).choices(range(3, VOCAB), k=19) for seed in seeds]
+        collate = StreamCollator(streaming, model.vocabulary_size)
     else:
         streaming = None
         # Outputs and contexts of several lengths: batches are padded differently when cut.
@@ -418,8 +411,12 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, seeds, cu
             replace(sample, output=sample.output * random.Random(seed).randint(1, 3))
             for sample, seed in ((recall_sample(random.Random(seed)), seed) for seed in seeds)
         ]
-    whole = _step_gradients(samples, [], distill_weight, streaming, tmp_path)
-    accumulated = _step_gradients(samples, [cut], distill_weight, streaming, tmp_path)
+        collate = CCMDataCollator(model)
+    args = TrainingArguments(tmp_path, use_cpu=True, report_to="none", remove_unused_columns=False)
+    trainer = CCMTrainer(model=model, args=args, train_dataset=samples, data_collator=collate)
+    trainer.distill_weight, trainer.streaming, trainer.stream_piece = distill_weight, streaming, 4
+    whole = _step_gradients(trainer, samples, [])
+    accumulated = _step_gradients(trainer, samples, [min(cut, len(samples) - 1)])
     for name, gradient in whole.items():  # None: a LoRA that feeds nothing (the last layer's <COMP> queries)
         assert (gradient is None) == (accumulated[name] is None), name
         assert gradient is None or torch.allclose(accumulated[name], gradient, atol=1e-5, rtol=1e-4), name
