@@ -57,7 +57,14 @@ gpu_stage = $(CCM_TRAIN) --model default --init-adapter out/$(1) --task "$(2)" \
 	--distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 32 \
 	--eval-samples 32 --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
 
+# Each stage trains anew, and `ccm train` refuses a folder that holds an earlier run's checkpoints (a later
+# --resume would mix the runs): a rerun clears them first.
+ADAPTER_STAGES = $(foreach n,1 2 3 4 5 6 7 8 9 10,stage$(n)-concat stage$(n)-merge) \
+	$(foreach n,11 12,stage$(n)g-concat stage$(n)g-merge)
+fresh = rm -rf $(foreach folder,$(1),out/$(folder)/checkpoint-*)
+
 adapters: install
+	$(call fresh,$(ADAPTER_STAGES))
 	$(CCM_TRAIN) --model default --task mixture --update concat --num-comp-tokens 1 \
 		--steps 200 --batch-size 8 --output-dir out/stage1-concat
 	$(CCM_TRAIN) --model default --init-adapter out/stage1-concat --task mixture \
@@ -95,6 +102,7 @@ adapters: install
 # adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history
 # as its prompt (no distillation: its teacher would be itself).
 full-context-baseline: install
+	$(call fresh,fc/stage1 fc/stage2 fc/stage3)
 	$(CCM_TRAIN) --model default --method full-context --task mixture --steps 200 \
 		--batch-size 8 --output-dir out/fc/stage1
 	$(CCM_TRAIN) --model default --method full-context --init-adapter out/fc/stage1 \
@@ -122,6 +130,7 @@ results: install
 # library's docstrings) in 32-token chunks with dense loss and distillation, then on the stream itself (the
 # streaming cache with its default schedule); then CCM against StreamingLLM at the same KV size.
 stream-adapter: install
+	$(call fresh,stream-stage1 stream-stage2 stream-stage3)
 	$(CCM_TRAIN) --model default --task text --compress-chunk 64 --update concat --num-comp-tokens 2 \
 		--steps 150 --eval-every 50 --output-dir out/stream-stage1
 	$(CCM_TRAIN) --model default --task text-varied --compress-chunk 32 \
