@@ -760,6 +760,52 @@ def test_a_live_cache_is_refused_once_the_adapter_changed():
         model.generate(torch.tensor([[5], [6]]), past_key_values=cache, max_new_tokens=2)
 
 
+def _assign_state_dict(model: CCMForCausalLM, shift: float) -> None:
+    model.load_state_dict({name: tensor + shift for name, tensor in model.state_dict().items()}, assign=True)
+
+
+def _new_lora_parameter(model: CCMForCausalLM, shift: float) -> None:
+    linear = lora_layers(model.base_model)[-1].lora_B["default"]
+    linear.weight = torch.nn.Parameter(linear.weight.detach() + shift)
+
+
+def _new_base_parameter(model: CCMForCausalLM, shift: float) -> None:
+    linear = model.base_model.model.layers[1].mlp.up_proj
+    linear.weight = torch.nn.Parameter(linear.weight.detach() + shift, requires_grad=False)
+
+
+def _new_base_layer(model: CCMForCausalLM, shift: float) -> None:
+    mlp = model.base_model.model.layers[0].mlp
+    replacement = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    with torch.no_grad():
+        replacement.weight.copy_(mlp.down_proj.weight + shift)
+    mlp.down_proj = replacement.requires_grad_(False)
+
+
+@pytest.mark.parametrize(
+    ("replace", "field"),
+    [
+        (_assign_state_dict, "adapter_sha256"),
+        (_new_lora_parameter, "adapter_sha256"),
+        (_new_base_parameter, "base_fingerprint"),
+        (_new_base_layer, "base_fingerprint"),
+    ],
+)
+def test_weights_put_in_as_new_tensors_change_the_signature(tmp_path, replace, field):
+    """The weights were listed once: after load_state_dict(assign=True) or a replaced parameter or layer, the
+    signature still hashed the tensors they replaced, so memories of the old weights were accepted."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    cache = _filled(model)
+    cache.save(tmp_path / "user.safetensors")
+    replace(model, 0.0)  # the same values in new tensors: the memory is still the model's
+    model.compress(cache.copy(), torch.tensor([[5], [6]]))
+    replace(model, 0.25)
+    with pytest.raises(ValueError, match=field):
+        model.compress(cache, torch.tensor([[5], [6]]))
+    with pytest.raises(ValueError, match=field):
+        CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+
+
 def test_a_single_changed_base_weight_changes_the_fingerprint():
     model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
     before = model.memory_signature()["base_fingerprint"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -14,6 +15,10 @@ from typing import Any, Literal
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -45,6 +50,23 @@ TRAINING_ATTENTION: tuple[str, ...] = ("auto", "dense", "flex")
 # name of the installed version, and a caller may use either.
 CACHE_ARGUMENT = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+class _Registrations:
+    """The latest parameter or submodule registered by any module of this process (counted by torch's global
+    registration hooks), so that a model sees when its parameters may have been replaced."""
+
+    _ids = itertools.count(1)
+    latest = 0
+
+    @classmethod
+    def register(cls, *_: Any) -> None:
+        # A unique id each, not `latest += 1`: two racing increments could write back a value already read.
+        cls.latest = next(cls._ids)
+
+
+register_module_parameter_registration_hook(_Registrations.register)
+register_module_module_registration_hook(_Registrations.register)
 
 TESTED_MODEL_TYPES = (
     "llama",
@@ -102,7 +124,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._rotation = KeyRotation.of_model(base_model)
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
-        self._named_weights: dict[str, list[tuple[str, torch.Tensor]]] | None = None
+        # The weights by kind, with the count of module registrations in the process when they were listed.
+        self._named_weights: tuple[int, dict[str, list[tuple[str, torch.Tensor]]]] | None = None
         self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
@@ -692,16 +715,22 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         }
 
     def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
-        """The adapter's and the base model's parameters by name, sorted (listed once: walking the modules costs
-        milliseconds, and this is asked at every call)."""
-        if self._named_weights is None:
+        """The adapter's and the base model's parameters by name, sorted. Walking the modules costs milliseconds and
+        this is asked at every call, so they are listed again only after a module registered a parameter or a
+        submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the digests of a stale list
+        would miss the new tensors, and accept memories of the weights they replaced."""
+        registrations = _Registrations.latest  # read first: a registration during the walk lists them again next time
+        if self._named_weights is None or self._named_weights[0] != registrations:
             named = sorted(self.named_parameters())
             is_adapter = [name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name for name, _ in named]
-            self._named_weights = {
-                "adapter": [item for item, adapter in zip(named, is_adapter, strict=True) if adapter],
-                "base": [item for item, adapter in zip(named, is_adapter, strict=True) if not adapter],
-            }
-        return self._named_weights
+            self._named_weights = (
+                registrations,
+                {
+                    "adapter": [item for item, adapter in zip(named, is_adapter, strict=True) if adapter],
+                    "base": [item for item, adapter in zip(named, is_adapter, strict=True) if not adapter],
+                },
+            )
+        return self._named_weights[1]
 
     def _digest(self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str]) -> str:
         """`compute` over the `kind` weights, again only if one of them changed since (in place: its version
