@@ -516,6 +516,48 @@ def test_a_cache_given_to_a_plain_model_is_refused_and_left_as_it_was(tmp_path, 
     assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
 
 
+def _step_the_adapter(model: CCMForCausalLM, _) -> None:
+    with torch.no_grad():  # what an optimizer step does
+        for layer in lora_layers(model.base_model):
+            layer.lora_B["default"].weight.add_(0.1)
+
+
+MODEL_CHANGES = {
+    "load_adapter": lambda model, path: model.load_adapter(path),
+    "optimizer step": _step_the_adapter,
+    "attention switch": lambda model, _: model.base_model.set_attn_implementation("sdpa"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(MODEL_CHANGES))
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_a_call_during_which_another_thread_changes_the_model_fails_and_changes_nothing(tmp_path, call, change):
+    """load_adapter (or another change of the model) in another thread while a call ran: the call ran its first
+    layer with one adapter and its last with the other, and stored that memory under the old adapter's signature,
+    which accepted it once the old adapter was loaded again."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), seed=7).save_pretrained(
+        tmp_path / "other"
+    )
+    cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    changed = []
+
+    def change_in_another_thread(*_: object) -> None:
+        if not changed:
+            changed.append(threading.Thread(target=MODEL_CHANGES[change], args=(model, tmp_path / "other")))
+            changed[0].start()
+            changed[0].join()
+
+    handle = model.base_model.model.layers[1].register_forward_pre_hook(change_in_another_thread)
+    try:
+        with pytest.raises(ValueError, match=r"The model changed while .+ ran .*the cache is left as it was"):
+            CALLS[call](model, cache)
+    finally:
+        handle.remove()
+    assert changed and _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

@@ -7,8 +7,8 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -415,7 +415,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
-        self._check_cache(cache, "compress()")
+        state = self._check_cache(cache, "compress()")
         cache.check_compressible()
         context, context_mask = self._context(cache, context_ids, attention_mask)
         pending_mask = cache.pending_mask.to(context_mask.device)
@@ -426,7 +426,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "with at least one token."
             )
         n, batch, device = self.config.num_comp_tokens, cache.batch_size, self.device
-        with cache.running("compress()"):
+        with cache.running("compress()"), self._unchanged_since(state, "compress()"):
             pending_ids, pending_mask = cache.take_pending()
             ids = torch.cat([pending_ids.to(device), context.to(device)], dim=1)
             mask = torch.cat([pending_mask.to(device), context_mask.to(device)], dim=1)
@@ -491,7 +491,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache = given if given is not None else self.new_cache(input_ids.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
-        self._check_cache(cache, "generate()")
+        state = self._check_cache(cache, "generate()")
         self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -524,7 +524,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             kwargs["cache_implementation"] = None
         num_sequences = settings.num_return_sequences or 1
         expand = max(settings.num_beams or 1, num_sequences)
-        with cache.running("generate()"), self._gate.scope():
+        with cache.running("generate()"), self._gate.scope(), self._unchanged_since(state, "generate()"):
             run_cache = cache
             if expand > 1:  # generate() expands the inputs, not a given cache
                 run_cache = cache.copy()
@@ -573,7 +573,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """New tokens of the turn (or of a stream, in pieces the window can take): logits `(batch, len, vocab)`."""
-        self._check_cache(cache, "model(...)")
+        state = self._check_cache(cache, "model(...)")
         name = "input_ids" if input_ids is not None else "inputs_embeds"
         tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
         if tokens is None:
@@ -595,7 +595,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"output_attentions with {tokens.shape[1]} tokens, which the stream runs in pieces of {step} that each "
                 f"attend to a different window (no one attention map covers them); pass at most {step} tokens per call."
             )
-        with cache.running("model(...)"), self._gate.scope():
+        with cache.running("model(...)"), self._gate.scope(), self._unchanged_since(state, "model(...)"):
             self._run_pending(cache)
             if step is None or tokens.shape[1] <= step:
                 return self.base_model(
@@ -732,20 +732,46 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
         return self._named_weights[1]
 
+    def _versions(self, kind: str) -> tuple[tuple[int, int], ...]:
+        """The version counter and storage of every `kind` weight: they differ once one changed (in place: its
+        version counter; replaced: its storage)."""
+        return tuple((parameter._version, parameter.data_ptr()) for _, parameter in self._weights()[kind])
+
     def _digest(self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str]) -> str:
-        """`compute` over the `kind` weights, again only if one of them changed since (in place: its version
-        counter; replaced: its storage)."""
+        """`compute` over the `kind` weights, again only if one of them changed since."""
         parameters = self._weights()[kind]
-        key = tuple((parameter._version, parameter.data_ptr()) for _, parameter in parameters)
+        key = self._versions(kind)
         cached = self._digests.get(kind)
         if cached is None or cached[0] != key:
             cached = self._digests[kind] = key, compute(parameters)
         return cached[1]
 
-    def _check_cache(self, cache: CompressedMemoryCache, call: str) -> None:
+    def _state(self) -> tuple[Any, ...]:
+        """What a call's result depends on in the model, cheaply compared: the version counter and storage of every
+        weight, and the attention implementation."""
+        return self._versions("adapter"), self._versions("base"), self.base_model.config._attn_implementation
+
+    @contextmanager
+    def _unchanged_since(self, state: tuple[Any, ...], call: str) -> Iterator[None]:
+        """Raise when the context ends if the model is no longer in `state` (`_state()`): another thread loaded an
+        adapter, stepped an optimizer, cast the model or switched its attention while `call` ran, which then ran its
+        first layers with one adapter and its last with another, and would have stored that memory under the
+        signature of either. Entered inside the cache's transaction, which then leaves the cache as it was."""
+        yield
+        if self._state() != state:
+            raise ValueError(
+                f"The model changed while {call} ran (load_adapter, an optimizer step, a cast or an attention switch "
+                "in another thread), so the call mixed two models; the cache is left as it was, and belongs to the "
+                "model before the change. Change a serving model only while no call runs on it (or serve from "
+                "another copy of the model)."
+            )
+
+    def _check_cache(self, cache: CompressedMemoryCache, call: str) -> tuple[Any, ...]:
         """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
         model still attends through CCM's attention, and the cache was made by this model, with these weights, and
-        lives on its device."""
+        lives on its device. Returns the model's state (`_state()`) taken before the checks, for the call to
+        hold the model to (`_unchanged_since`): a change during the checks fails the call too."""
+        state = self._state()
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(
                 f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}."
@@ -755,6 +781,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_attention()
         cache.check_signature(self.memory_signature())
         cache.check_device(self.device)
+        return state
 
     def _check_tokens(self, tokens: torch.Tensor, name: str, cache: CompressedMemoryCache) -> None:
         """Raise unless `tokens` (`name`: "input_ids" or "inputs_embeds") are `(batch, len)` token ids of this
