@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import fields
 from pathlib import Path
 from typing import ClassVar
@@ -21,6 +22,7 @@ from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
 from transformers_ccm.hub import resolve_adapter
+from transformers_ccm.lora import lora_layers
 
 PROMPT = torch.tensor([[20, 21, 22]])
 CONTEXT = torch.tensor([[5, 6, 7, 8]])
@@ -126,6 +128,40 @@ def test_load_adapter_replaces_weights(tmp_path):
     target.load_adapter(tmp_path / "adapter")
     assert target.config.update == "merge"
     assert torch.equal(_answer(target.eval())[0], _answer(source)[0])
+
+
+@pytest.mark.parametrize("other_step", ["load_adapter", "save_pretrained"])
+def test_an_adapter_step_of_another_thread_during_load_adapter_is_refused(tmp_path, other_step):
+    """A second load_adapter in another thread while one ran left the model with a mix of both adapters (the early
+    layers of one, the rest and the config of the other), and a save_pretrained meanwhile wrote such a mix."""
+    first, second = _adapter(None, seed=3, update="merge"), _adapter(None, seed=5, update="ema")
+    first.save_pretrained(tmp_path / "first")
+    second.save_pretrained(tmp_path / "second")
+    model = _adapter(None, seed=4)
+    steps = {
+        "load_adapter": lambda: model.load_adapter(tmp_path / "second"),
+        "save_pretrained": lambda: model.save_pretrained(tmp_path / "saved"),
+    }
+    refusals, test_thread = [], threading.current_thread()
+
+    def other_thread():
+        try:
+            steps[other_step]()
+            refusals.append(None)
+        except ValueError as error:
+            refusals.append(error)
+
+    def run_other_thread(*_):
+        if threading.current_thread() is test_thread:  # once, not again in the other thread's load
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+
+    lora_layers(model.base_model)[1].lora_B["default"].register_load_state_dict_pre_hook(run_other_thread)
+    model.load_adapter(tmp_path / "first")
+    assert len(refusals) == 1 and "another thread runs load_adapter()" in str(refusals[0])
+    assert model.memory_signature() == first.memory_signature() and model.config.update == "merge"
+    assert not (tmp_path / "saved").exists()
 
 
 def _hub_cache_repo(cache, repo_id, commit, source, branch="main"):

@@ -7,8 +7,10 @@ users know from transformers and PEFT: `save_pretrained`, `push_to_hub`, `from_p
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,11 @@ from transformers_ccm.lora import ADAPTER_NAME, targeted, untargeted
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+# The adapter step (a load or a save) running on each model, by id: one at a time per model, so that two loads in
+# different threads do not leave a mix of both adapters, nor a save write an adapter half loaded.
+_ADAPTER_STEPS: dict[int, str] = {}
+_ADAPTER_STEPS_LOCK = threading.Lock()
+
 
 class AdapterHubMixin:
     """Adapter files for a model with `config` (`CCMConfig`), `base_model` (with PEFT LoRA layers) and
@@ -53,7 +60,26 @@ class AdapterHubMixin:
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
         """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base."""
-        save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
+        with self._adapter_step("save_pretrained()"):
+            save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
+
+    @contextmanager
+    def _adapter_step(self, step: str) -> Iterator[None]:
+        """Within the context, `step` (`load_adapter()`, `save_pretrained()`, ...) is the only adapter step on this
+        model: one that another thread starts meanwhile is refused."""
+        with _ADAPTER_STEPS_LOCK:
+            running = _ADAPTER_STEPS.get(id(self))
+            if running is not None:
+                raise ValueError(
+                    f"{step} was called while another thread runs {running} on this model's adapter, and the two would "
+                    f"interleave (a mix of two adapters); call {step} after {running} returns."
+                )
+            _ADAPTER_STEPS[id(self)] = step
+        try:
+            yield
+        finally:
+            with _ADAPTER_STEPS_LOCK:
+                del _ADAPTER_STEPS[id(self)]
 
     def push_to_hub(
         self,
@@ -63,15 +89,16 @@ class AdapterHubMixin:
         token: str | bool | None = None,
     ) -> Any:
         """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit."""
-        return push_adapter(
-            repo_id,
-            self.config,
-            self.base_model.peft_config[ADAPTER_NAME],
-            self.adapter_tensors(),
-            private=private,
-            commit_message=commit_message,
-            token=token,
-        )
+        with self._adapter_step("push_to_hub()"):
+            return push_adapter(
+                repo_id,
+                self.config,
+                self.base_model.peft_config[ADAPTER_NAME],
+                self.adapter_tensors(),
+                private=private,
+                commit_message=commit_message,
+                token=token,
+            )
 
     @classmethod
     def from_pretrained(
@@ -157,37 +184,41 @@ class AdapterHubMixin:
         training moves them."""
         folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
         config, tensors = read_adapter(folder)
-        check_base_shape(
-            config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
-        )
-        saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
-        # A missing or malformed embedding is left as it is, for the checks below to reject with their message.
-        if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
-            tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
-            config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
-        if targeted(self.base_model, config.target_modules) == targeted(self.base_model, self.config.target_modules):
-            config = replace(config, target_modules=self.config.target_modules)  # the same layers, named otherwise
-        structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
-        different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
-        added_layers: set[str] = set()
-        if extend_targets and "target_modules" in different:
-            different.remove("target_modules")
-            # Only layers its own targets leave out start at zero; one they cover must be in the file.
-            added_layers = untargeted(self.base_model, config.target_modules)
-            config = replace(config, target_modules=self.config.target_modules)
-        if different:
-            details = ", ".join(
-                f"{n}: adapter {getattr(config, n)!r} vs model {getattr(self.config, n)!r}" for n in different
+        # The checks read the model's config and the load writes it: another load in between would mix the two.
+        with self._adapter_step("load_adapter()"):
+            check_base_shape(
+                config, self.config.base_model_name_or_path or "this model", base_shape(self.base_model.config)
             )
-            raise ValueError(
-                f"The adapter at {folder} has another structure ({details}); load it with "
-                "CCMForCausalLM.from_pretrained instead."
+            saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
+            # A missing or malformed embedding is left as it is, for the checks below to reject with their message.
+            if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
+                tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
+                config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
+            if targeted(self.base_model, config.target_modules) == targeted(
+                self.base_model, self.config.target_modules
+            ):
+                config = replace(config, target_modules=self.config.target_modules)  # the same layers, named otherwise
+            structural = ("num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
+            different = [name for name in structural if getattr(config, name) != getattr(self.config, name)]
+            added_layers: set[str] = set()
+            if extend_targets and "target_modules" in different:
+                different.remove("target_modules")
+                # Only layers its own targets leave out start at zero; one they cover must be in the file.
+                added_layers = untargeted(self.base_model, config.target_modules)
+                config = replace(config, target_modules=self.config.target_modules)
+            if different:
+                details = ", ".join(
+                    f"{n}: adapter {getattr(config, n)!r} vs model {getattr(self.config, n)!r}" for n in different
+                )
+                raise ValueError(
+                    f"The adapter at {folder} has another structure ({details}); load it with "
+                    "CCMForCausalLM.from_pretrained instead."
+                )
+            self._load_adapter_weights(tensors, folder, added_layers)
+            # The LoRA layers keep the dropout they were built with.
+            self.config = replace(
+                config, lora_dropout=self.config.lora_dropout, base_model_shape=self.config.base_model_shape
             )
-        self._load_adapter_weights(tensors, folder, added_layers)
-        # The LoRA layers keep the dropout they were built with.
-        self.config = replace(
-            config, lora_dropout=self.config.lora_dropout, base_model_shape=self.config.base_model_shape
-        )
 
     def _load_adapter_weights(
         self, tensors: dict[str, torch.Tensor], source: os.PathLike[str], added_layers: AbstractSet[str] = frozenset()
