@@ -756,15 +756,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Raise when the context ends if the model is no longer in `state` (`_state()`): another thread loaded an
         adapter, stepped an optimizer, cast the model or switched its attention while `call` ran, which then ran its
         first layers with one adapter and its last with another, and would have stored that memory under the
-        signature of either. Entered inside the cache's transaction, which then leaves the cache as it was."""
-        yield
+        signature of either (or failed inside torch, on a cast). Entered inside the cache's transaction, which then
+        leaves the cache as it was."""
+        try:
+            yield
+        except Exception as error:
+            if self._state() == state:
+                raise
+            raise _changed_during(call) from error  # the change is what failed it (a cast: torch's dtype mismatch)
         if self._state() != state:
-            raise ValueError(
-                f"The model changed while {call} ran (load_adapter, an optimizer step, a cast or an attention switch "
-                "in another thread), so the call mixed two models; the cache is left as it was, and belongs to the "
-                "model before the change. Change a serving model only while no call runs on it (or serve from "
-                "another copy of the model)."
-            )
+            raise _changed_during(call)
 
     def _check_cache(self, cache: CompressedMemoryCache, call: str) -> tuple[Any, ...]:
         """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
@@ -920,6 +921,14 @@ def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> tor
             f"{entry}."
         )
     return mask
+
+
+def _changed_during(call: str) -> ValueError:
+    return ValueError(
+        f"The model changed while {call} ran (load_adapter, an optimizer step, a cast or an attention switch in "
+        "another thread), so the call mixed two models; the cache is left as it was, and belongs to the model before "
+        "the change. Change a serving model only while no call runs on it (or serve from another copy of the model)."
+    )
 
 
 def _check_tensor(tokens: Any, name: str) -> None:
