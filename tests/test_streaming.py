@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from streaming_reference import ReferenceStream
-from tiny_models import VOCAB, tiny_ccm
-from transformers_ccm import StreamingConfig
+from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.modeling import CACHE_ARGUMENT
-from transformers_ccm.streaming import KeyRotation
 
 ROTARY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt-neox", "olmo")
 SMALL = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
@@ -31,7 +30,7 @@ def keys_at(model, ids, start):
 @pytest.mark.parametrize("architecture", ROTARY)
 def test_rerotation_equals_keys_computed_at_the_new_positions(architecture):
     model = tiny_ccm(architecture)
-    rotation = KeyRotation.of_model(model.base_model)
+    rotation = model.cache_spec().rotation
     ids = torch.randint(3, VOCAB, (2, 9))
     for old, new in ((40, 3), (0, 25), (7, 8)):
         moved = keys_at(model, ids, old)
@@ -39,6 +38,23 @@ def test_rerotation_equals_keys_computed_at_the_new_positions(architecture):
         for index, (keys, target) in enumerate(zip(moved, expected, strict=True)):
             shifted = rotation.shift(index, keys, torch.full((ids.shape[1],), new - old))
             torch.testing.assert_close(shifted, target, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_model_cast_after_wrapping_streams_as_one_wrapped_after_casting(architecture, dtype):
+    """The rotary frequencies were read when the model was wrapped: a cast after it rounded those the model rotates
+    keys with, and the stream's re-rotation, still using the unrounded ones, moved keys to other positions."""
+    cast_after = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig())).to(dtype)
+    cast_before = CCMForCausalLM.from_base(tiny_base(architecture).to(dtype), CCMConfig()).eval()
+    cast_before.load_state_dict(cast_after.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (cast_after, cast_before):
+        cache = model.new_cache(streaming=SMALL)
+        with torch.no_grad():
+            logits.append(torch.cat([model(input_ids=p, past_key_values=cache).logits for p in ids.split(6, dim=1)], 1))
+    assert torch.equal(logits[0], logits[1])
 
 
 def stream_logits(model, config, ids, piece):

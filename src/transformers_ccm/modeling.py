@@ -121,7 +121,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             layer.lora_B.requires_grad_(True)
         self.comp_embeddings = nn.Parameter(_initial_comp_embeddings(base_model, config.num_comp_tokens))
         self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
-        self._rotation = KeyRotation.of_model(base_model)
+        self._rotary_module = KeyRotation.module_name(base_model)
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
         # The weights by kind, with the count of module registrations in the process when they were listed.
@@ -182,7 +182,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def absolute_position_limit(self) -> int | None:
         """How many learned absolute positions the base model has (GPT-2's 1024), which no position may reach or
         pass; None for rotary models, whose positions are relative (the online path re-bases them)."""
-        return None if self._rotation is not None else getattr(self._text_config, "max_position_embeddings", None)
+        return None if self._rotary_module is not None else getattr(self._text_config, "max_position_embeddings", None)
 
     def embed(self, input_ids: torch.Tensor, comp_mask: torch.Tensor) -> torch.Tensor:
         """`(batch, seq, hidden)` input embeddings; `<COMP>` positions take `comp_embeddings` (ids ignored)."""
@@ -377,6 +377,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         text_config = self._text_config
         heads = text_config.num_attention_heads
         signature = self.memory_signature()
+        # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
+        rotation = None if self._rotary_module is None else KeyRotation.of_model(self.base_model, self._rotary_module)
         return CacheSpec(
             config=self.config,
             signature=signature,
@@ -385,7 +387,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
             dtype=self.dtype,
             device=self.device,
-            rotation=self._rotation,
+            rotation=rotation,
             max_positions=getattr(text_config, "max_position_embeddings", None),
             legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
             mask_free_decoding=wrapped_implementation(self.base_model.config._attn_implementation) == "sdpa"

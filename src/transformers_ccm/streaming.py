@@ -114,13 +114,17 @@ class KeyRotation:
     def __init__(self, inverse_frequencies: list[torch.Tensor]) -> None:
         self.inverse_frequencies = [frequencies.float() for frequencies in inverse_frequencies]
 
+    @staticmethod
+    def module_name(model: PreTrainedModel) -> str | None:
+        """The qualified name of the model's rotary embedding module (None if it has none: its positions are then
+        added to the hidden states and cannot be moved)."""
+        return next((name for name, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+
     @classmethod
-    def of_model(cls, model: PreTrainedModel) -> KeyRotation | None:
-        """Read the frequencies of every layer from the model's rotary embedding module (None if it has none:
-        its positions are then added to the hidden states and cannot be moved)."""
-        rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-        if rotary is None:
-            return None
+    def of_model(cls, model: PreTrainedModel, module_name: str) -> KeyRotation:
+        """Read the frequencies every layer uses now from the model's rotary embedding module `module_name`
+        (`KeyRotation.module_name(model)`)."""
+        rotary = model.get_submodule(module_name)
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         frequencies = []
