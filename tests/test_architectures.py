@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, T5Config, T5ForConditionalGeneration
 
-from tiny_models import tiny_base
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 
 
 def test_model_without_attention_interface_is_refused():
@@ -86,6 +86,36 @@ def _memory_logits(model):
     model.compress(cache, torch.tensor([[5, 6, 7]]))
     with torch.no_grad():
         return model(input_ids=torch.tensor([[20, 21]]), past_key_values=cache).logits
+
+
+def _decoded_logits(model, cache):
+    context = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    if cache.streaming is None:
+        model.compress(cache, context)
+    else:
+        with torch.no_grad():
+            model(input_ids=context, past_key_values=cache)
+    out = model.generate(
+        torch.tensor([[20, 21]]),
+        past_key_values=cache,
+        max_new_tokens=6,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("streaming", [None, StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4)])
+@pytest.mark.parametrize(("before", "after"), [("sdpa", "eager"), ("eager", "sdpa")])
+def test_a_cache_made_before_switching_the_attention_decodes_as_one_made_after(before, after, streaming):
+    """A cache made under sdpa left the mask out of one-token steps after a switch to eager, whose mask code then
+    hid part of the memory (the logits of a model that forgot)."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    model.set_attn_implementation(before)
+    made_before = model.new_cache(streaming=streaming)
+    model.set_attn_implementation(after)
+    expected = _decoded_logits(model, model.new_cache(streaming=streaming))
+    torch.testing.assert_close(_decoded_logits(model, made_before), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])

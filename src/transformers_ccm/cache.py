@@ -64,8 +64,6 @@ class CacheSpec:
             compressed memory uses it to re-base positions that would pass `max_positions`.
         max_positions: the model's maximum number of positions, if it has one.
         legacy_signature: the signature memory files of format version 1 recorded for this model.
-        mask_free_decoding: whether a forward of one token that sees every held position may go without an
-            attention mask (the model's sdpa mask code then picks its fastest kernel; not with sliding layers).
         sliding_window: the model's sliding-window layers, which see only the recent tokens of the turn.
     """
 
@@ -79,7 +77,6 @@ class CacheSpec:
     rotation: KeyRotation | None = None
     max_positions: int | None = None
     legacy_signature: dict[str, Any] | None = None
-    mask_free_decoding: bool = False
     sliding_window: SlidingWindow | None = None
 
 
@@ -529,24 +526,27 @@ class CompressedMemoryCache(Cache):
             )
 
     # ----- the online forward ------------------------------------------------------------------------------------
-    def prepare_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def prepare_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
         """Register `new_mask.shape[1]` new tokens of the turn and describe how they attend.
 
         Args:
             new_mask: `(batch, new)` bool, False at padding.
+            sdpa: whether the model attends with sdpa now, whose mask code makes the mask of one token that sees
+                every held position itself (and then picks its fastest kernel); eager attention needs it given.
+                Told at every forward: the model's attention may have been switched since the cache was made.
 
         Returns:
             position_ids `(batch, new)` (logical positions) and the attention mask
             `(batch, 1, new, held + new)` bool (a dict by layer type for models that mix sliding and full
             layers), or None for one token that sees everything held (when the model's own mask code handles
-            that case; see `CacheSpec.mask_free_decoding`).
+            that case: `sdpa`, and no sliding layers).
         """
         self.check_batch_size(new_mask.shape[0], "the input")
         self._to(new_mask.device)
         if self.streaming is not None:
-            prepared = self._prepare_stream_forward(new_mask)
+            prepared = self._prepare_stream_forward(new_mask, sdpa)
         else:
-            prepared = self._prepare_turn_forward(new_mask)
+            prepared = self._prepare_turn_forward(new_mask, sdpa)
         for layer in self.layers:
             layer.announced = new_mask.shape[1]
         return prepared
@@ -572,14 +572,14 @@ class CompressedMemoryCache(Cache):
         dtype = self.spec.dtype
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
-    def _prepare_turn_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _prepare_turn_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
         """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
         counts = new_mask.sum(-1)
         self._fit_positions(counts)
         rows = self.rows
         position_ids = (rows.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
         past = torch.cat([rows.memory_mask, rows.turn_mask], dim=1)
-        sees_everything = self.spec.mask_free_decoding and new_mask.shape[1] == 1 and bool(new_mask.all() & past.all())
+        sees_everything = self._mask_free(sdpa, new_mask.shape[1]) and bool(new_mask.all() & past.all())
         mask = None if sees_everything else _attend_past_then_causal(past, new_mask)
         if self.spec.sliding_window is not None:
             # The turn's tokens take consecutive positions up to the next one; memory is never out of the window.
@@ -591,6 +591,10 @@ class CompressedMemoryCache(Cache):
             rows, turn_mask=torch.cat([rows.turn_mask, new_mask], dim=1), next_position=rows.next_position + counts
         )
         return position_ids, mask
+
+    def _mask_free(self, sdpa: bool, new: int) -> bool:
+        """Whether a forward of `new` tokens that see every held position may go without an attention mask."""
+        return sdpa and self.spec.sliding_window is None and new == 1
 
     def _fit_positions(self, counts: torch.Tensor) -> None:
         """Re-base rows whose next positions would pass the model's maximum (rotary models: exact, since
@@ -713,7 +717,7 @@ class CompressedMemoryCache(Cache):
         )
 
     # ----- streaming ---------------------------------------------------------------------------------------------
-    def _prepare_stream_forward(self, new_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_stream_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens after everything held, at the next positions; they attend to all of it."""
         streaming = self._streaming()
         self.check_unpadded(new_mask)
@@ -727,7 +731,7 @@ class CompressedMemoryCache(Cache):
         held = layer.kv_length
         position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
         self.turn_tokens += new
-        if self.spec.mask_free_decoding and new == 1:
+        if self._mask_free(sdpa, new):
             return position_ids, None
         return position_ids, _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
 

@@ -390,8 +390,6 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             rotation=rotation,
             max_positions=getattr(text_config, "max_position_embeddings", None),
             legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
-            mask_free_decoding=wrapped_implementation(self.base_model.config._attn_implementation) == "sdpa"
-            and SlidingWindow.of(text_config) is None,
             sliding_window=SlidingWindow.of(text_config),
         )
 
@@ -662,7 +660,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"With a CompressedMemoryCache, attention_mask must be 2D and cover the {new} new tokens (or the "
                 f"{cache.turn_length} tokens of the turn and the new ones), got shape {tuple(mask.shape)}."
             )
-        position_ids, attention = cache.prepare_forward(new_mask)
+        sdpa = wrapped_implementation(self.base_model.config._attn_implementation) == "sdpa"
+        position_ids, attention = cache.prepare_forward(new_mask, sdpa)
         kwargs.update(attention_mask=attention, position_ids=position_ids, use_cache=True)
         return args, kwargs
 
