@@ -444,3 +444,31 @@ def test_files_of_format_version_1_still_load(tmp_path, caplog):
     model.compress(loaded, torch.tensor([[5, 6], [7, 8]]))
     model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
     assert torch.equal(loaded.layers[1].values, cache.layers[1].values)
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_a_turn_of_padding_alone_is_folded(tmp_path, update):
+    """batch_select_indices kept only a row whose turn was padding: compress() found 'nothing to compress', while
+    generate() and save() asked for that very compress(): the cache was stuck until a new context was compressed."""
+    model = tiny_ccm("llama", update=update)
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
+    model(
+        input_ids=torch.tensor([[9, 10], [11, 12]]),
+        attention_mask=torch.tensor([[1, 1], [0, 0]]),
+        past_key_values=cache,
+    )
+    cache.batch_select_indices(torch.tensor([1]))
+    expected = model.new_cache(1)
+    model.compress(expected, torch.tensor([[7, 8]]))
+    assert cache.has_unfolded_turn
+    model.compress(cache)
+    assert not cache.has_unfolded_turn
+    for got, want in zip(cache.layers, expected.layers, strict=True):
+        torch.testing.assert_close(got.memory(), want.memory(), rtol=0, atol=0)
+    assert cache.steps.tolist() == expected.steps.tolist() == [1]
+    assert cache.next_position.tolist() == expected.next_position.tolist()
+    cache.save(tmp_path / "memory.safetensors")
+    reply = model.generate(torch.tensor([[13]]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    again = model.generate(torch.tensor([[13]]), past_key_values=expected, max_new_tokens=2, do_sample=False)
+    assert torch.equal(reply, again)

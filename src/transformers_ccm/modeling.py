@@ -420,7 +420,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         context, context_mask = self._context(cache, context_ids, attention_mask)
         pending_mask = cache.pending_mask.to(context_mask.device)
         rows = cache.turn_mask.any(dim=1).to(context_mask.device) | pending_mask.any(dim=1) | context_mask.any(dim=1)
-        if not rows.any():
+        # A turn of padding alone (its rows' tokens left behind by batch_select_indices, say) is folded all the same:
+        # it adds nothing to any row's memory, and generate() and save() refuse the cache until it is folded.
+        if not rows.any() and not cache.has_unfolded_turn:
             raise ValueError(
                 "Nothing to compress: the context is empty and the cache holds no turn to fold. Pass context_ids "
                 "with at least one token."
