@@ -246,6 +246,19 @@ def test_beam_search_on_a_stream():
     assert cache.kv_length <= SMALL.max_kv_length(model.config)
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+def test_a_stream_counts_the_tokens_of_the_current_generate_whatever_the_mode(beams):
+    """With beam search the stream's count of tokens fed (get_seq_length(), saved with it) went on from before the
+    call, while a greedy call counts from its prompt: the same stream and reply gave different counts and files."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    cache = model.new_cache(1, streaming=SMALL)
+    model(input_ids=torch.randint(3, VOCAB, (1, 12)), past_key_values=cache)
+    output = model.generate(
+        torch.randint(3, VOCAB, (1, 3)), past_key_values=cache, max_new_tokens=4, min_new_tokens=4, num_beams=beams
+    )
+    assert cache.get_seq_length() == cache.turn_tokens == output.shape[1] == 7
+
+
 @pytest.mark.parametrize("keep_window_full", [True, False])
 def test_a_saved_stream_continues_exactly(tmp_path, keep_window_full):
     model = tiny_ccm("llama", num_comp_tokens=2, update="merge")

@@ -541,6 +541,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 return output
             generated = sequences[:, input_ids.shape[1] :]
             if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
+                if expand > 1:  # it takes the returned sequence now: its count starts with it, as a greedy call's
+                    cache.begin_generation()
                 self.base_model(
                     input_ids=sequences if expand > 1 else generated[:, -1:],
                     logits_to_keep=1,
