@@ -533,6 +533,33 @@ def test_a_call_during_which_another_thread_changes_the_model_fails_and_changes_
     assert changed and _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda cache: cache.batch_select_indices(torch.tensor([], dtype=torch.long)),
+        lambda cache: cache.reorder_cache(torch.tensor([], dtype=torch.long)),
+        lambda cache: cache.batch_repeat_interleave(0),
+    ],
+    ids=["select none", "reorder to none", "repeat 0 times"],
+)
+def test_a_batch_operation_that_keeps_no_row_is_refused(tmp_path, operation, streaming):
+    """It left a cache of no row: its saved file was refused by load ('Save the memory again'), and every call
+    on it failed inside torch."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    if streaming:
+        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
+        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    with pytest.raises(ValueError, match="would leave the cache no row"):
+        operation(cache)
+    assert cache.batch_size == 2 and _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

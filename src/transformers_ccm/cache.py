@@ -828,9 +828,16 @@ class CompressedMemoryCache(Cache):
         self.compressed_in_window = max(0, self.compressed_in_window - count)
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
-    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
         with self.transaction():  # whole or not at all, and never under another thread's call
-            self.rows = self.rows.map(function)
+            rows = self.rows.map(function)
+            if rows.next_position.shape[0] == 0:
+                # A cache of no row saves a file that `load` refuses, and every call on it fails inside torch.
+                raise ValueError(
+                    f"{call} would leave the cache no row; a cache holds at least one user. Keep at least one row, or "
+                    "make a new cache with model.new_cache() when there is none left."
+                )
+            self.rows = rows
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.keys, layer.values = function(layer.keys), function(layer.values)
@@ -838,13 +845,13 @@ class CompressedMemoryCache(Cache):
                         layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "reorder_cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device)])
+        self._map_batch(lambda t: t[indices.to(t.device)], "batch_select_indices")
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
