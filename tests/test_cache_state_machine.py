@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, tiny_ccm
 from transformers_ccm import CCMForCausalLM, CompressedMemoryCache
+from transformers_ccm.cache import StreamingLayer
 
 NUM_CACHES = 3
 NUM_LAYERS = 2
@@ -73,16 +74,24 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _memory(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's memory slots (a stream's sit after its sink)."""
+    if isinstance(layer, StreamingLayer):
+        start, end = layer.sink_length, layer.sink_length + layer.memory_length
+        return layer.keys[:, :, start:end], layer.values[:, :, start:end]
+    return layer.memory()
+
+
 def snapshot(cache: CompressedMemoryCache) -> dict[str, Any]:
     """Everything a cache holds: row bookkeeping, each layer's keys/values/lengths, the float32 average where it is
     not the memory itself (a loaded cache keeps none when they are equal), counters. The claim must be free."""
-    assert cache._user is None, "a call left the cache claimed"
+    assert cache._user is None and cache._call is None, "a call left the cache claimed"
     layers = []
     for layer in cache.layers:
         state = {name: _frozen(value) for name, value in layer.__dict__.items() if name != "accumulated"}
         accumulated = getattr(layer, "accumulated", None)
         if accumulated is not None:
-            keys, values = layer.memory()
+            keys, values = _memory(layer)
             if accumulated[0].dtype == keys.dtype:
                 assert torch.equal(accumulated[0], keys) and torch.equal(accumulated[1], values)
             else:
