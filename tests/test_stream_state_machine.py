@@ -238,13 +238,13 @@ class StreamMachine(_Machine):
     def new(self, op: Op) -> CompressedMemoryCache:
         return self.model.new_cache(op[1], streaming=op[2])
 
-    def call(self, cache: CompressedMemoryCache, op: Op) -> None:
+    def call(self, cache: CompressedMemoryCache, op: Op) -> Any:
         if op[0] == "forward":
             with torch.no_grad():
-                self.model(input_ids=torch.tensor(op[1]), past_key_values=cache)
-        elif op[0] == "generate":
+                return self.model(input_ids=torch.tensor(op[1]), past_key_values=cache)
+        if op[0] == "generate":
             _, ids, count, beams, sequences = op
-            self.model.generate(
+            return self.model.generate(
                 torch.tensor(ids),
                 past_key_values=cache,
                 max_new_tokens=count,
@@ -253,8 +253,7 @@ class StreamMachine(_Machine):
                 num_return_sequences=sequences,
                 do_sample=False,
             )
-        else:  # pragma: no cover
-            raise AssertionError(op)
+        raise AssertionError(op)  # pragma: no cover
 
     def valid_call(self, index: int) -> st.SearchStrategy[Op]:
         return token_rows(1, 13).map(lambda ids: ("forward", self.rows(index, ids)))
@@ -275,6 +274,17 @@ class StreamMachine(_Machine):
             before = snapshot(self.caches[index])
             self.apply(self.caches[index], op)
             assert_same(snapshot(self.caches[index]), before, f"cache {index} after {op}")
+            return
+        if beams[0] > 1:  # beam search: the stream takes the returned sequence, as a forward of it does
+            cache, fed = self.caches[index], copy.deepcopy(self.caches[index])
+            sequence = self.call(cache, op)
+            self.ops[index].append(op)
+            with torch.no_grad():
+                self.model(input_ids=sequence, past_key_values=fed)
+            # A forward adds to the count of tokens fed (get_seq_length()); a generate() counts from its prompt.
+            assert cache.get_seq_length() == cache.turn_tokens == sequence.shape[1], f"cache {index} after {op}"
+            counts = {"turn_tokens": None, "lengths": None}
+            assert_same({**snapshot(cache), **counts}, {**snapshot(fed), **counts}, f"cache {index} after {op}")
             return
         self._succeeds(index, op)
 
