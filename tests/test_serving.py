@@ -306,6 +306,10 @@ NESTED_CALLS = {
     "forward": lambda model, cache: model(input_ids=torch.tensor([[3]]), past_key_values=cache),
     "generate": lambda model, cache: model.generate(torch.tensor([[3]]), past_key_values=cache, max_new_tokens=1),
     "reset": lambda model, cache: cache.reset(),
+    # They changed which user each row is under the running call (or its batch size: a failure deep inside).
+    "reorder": lambda model, cache: cache.reorder_cache(torch.tensor([0])),
+    "select rows": lambda model, cache: cache.batch_select_indices(torch.tensor([0])),
+    "repeat rows": lambda model, cache: cache.batch_repeat_interleave(2),
 }
 
 

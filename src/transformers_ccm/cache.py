@@ -830,6 +830,8 @@ class CompressedMemoryCache(Cache):
     # ----- batch operations used by generate() -------------------------------------------------------------------
     def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
         with self.transaction():  # whole or not at all, and never under another thread's call
+            # Nor under a call of this thread (a streamer's): its rows would change users under the running call.
+            self.check_no_call(call)
             rows = self.rows.map(function)
             if rows.next_position.shape[0] == 0:
                 # A cache of no row saves a file that `load` refuses, and every call on it fails inside torch.
@@ -845,13 +847,13 @@ class CompressedMemoryCache(Cache):
                         layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "reorder_cache")
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "batch_repeat_interleave")
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "cache.batch_repeat_interleave()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device)], "batch_select_indices")
+        self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()")
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
