@@ -806,3 +806,38 @@ def test_a_device_that_is_not_here_is_refused_before_the_model_loads(tmp_path, c
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--model", str(tmp_path / "no-model"), "--device", device, *output])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_eval_refuses_adapters_and_reports_on_another_base_model(tiny_model, adapter, tmp_path, capsys):
+    """An adapter on another base model (same shape, other weights) was scored against the baselines of the first
+    adapter's base, in one run or added to a report with --add-to: gains measured against a model it never ran on."""
+    from tiny_models import tiny_llama_for
+    from transformers_ccm.embedded import load_tokenizer
+
+    other_base = tmp_path / "other-base"
+    tokenizer = load_tokenizer("default")
+    tiny_llama_for(tokenizer, seed=1).save_pretrained(other_base)
+    tokenizer.save_pretrained(other_base)
+    other = tmp_path / "other"
+    shutil.copytree(adapter, other, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = json.loads((other / "ccm_config.json").read_text())
+    (other / "ccm_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(other_base)}))
+    scoring = ["eval", "--tasks", "icl", "--steps", "1", "--samples", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*scoring, "--adapters", adapter, str(other), "--output-dir", str(tmp_path / "both")])
+    assert exit_info.value.code == 2 and f"[{str(other)!r}] run on another base model" in capsys.readouterr().err
+    assert not (tmp_path / "both").exists()
+
+    main([*scoring, "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "report")])
+    rows = json.loads((tmp_path / "report" / "eval.json").read_text())["results"]
+    older = tmp_path / "older"  # a report written before rows carried their base model's fingerprint
+    older.mkdir()
+    stripped = [{key: value for key, value in row.items() if key != "base_fingerprint"} for row in rows]
+    (older / "eval.json").write_text(json.dumps({"results": stripped}))
+    capsys.readouterr()
+    adding = ["eval", "--model", str(other_base), "--adapters", str(other), "--output-dir", str(tmp_path / "added")]
+    for report, message in (("report", "its baselines were scored on another base model"), (older, "drawn again")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*adding, "--add-to", str(tmp_path / report)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "added").exists()

@@ -412,10 +412,15 @@ def _samples_digest(samples: list[OnlineSample]) -> str:
 
 
 def _check_same_samples(
-    rows: list[dict], sample_set: SampleSet, no_context: Callable[[SampleSet], list[tuple[float, int]]], folder: str
+    rows: list[dict],
+    sample_set: SampleSet,
+    base: str,
+    no_context: Callable[[SampleSet], list[tuple[float, int]]],
+    folder: str,
 ) -> None:
-    """Raise unless `sample_set`, drawn anew, holds the samples of its no-context row in `rows`: by their digest, or
-    in reports written before rows had one, by the no-context scores `no_context(sample_set)` computes again."""
+    """Raise unless `sample_set`, drawn anew, holds the samples of its no-context row in `rows` and that row was
+    scored on the base model whose fingerprint is `base`: by their digests, or in reports written before rows had
+    them, by the no-context scores `no_context(sample_set)` computes again (they depend on both)."""
     import torch
 
     task, wordings, steps, samples, _ = sample_set
@@ -424,7 +429,14 @@ def _check_same_samples(
         for r in rows
         if (r["task"], r["wordings"], int(r["steps"]), r["method"]) == (task, wordings, steps, "no_context")
     )
-    if "samples_digest" in stored:
+    # The new adapters are compared with the report's baselines: those of another base model would give them a
+    # gain recovered and paired differences measured against a model they never ran on.
+    if stored.get("base_fingerprint", base) != base:
+        raise ValueError(
+            f"--add-to {folder}: its baselines were scored on another base model than the one --adapters run on "
+            "here; give the --model of that report, or score every adapter anew without --add-to."
+        )
+    if "samples_digest" in stored and "base_fingerprint" in stored:
         same = stored["samples_digest"] == _samples_digest(samples)
     else:
         before = torch.tensor(stored["per_sample"], dtype=torch.float64)
@@ -432,8 +444,9 @@ def _check_same_samples(
         same = before.shape == again.shape and torch.allclose(before, again, rtol=1e-4)
     if not same:
         raise ValueError(
-            f"--add-to {folder}: {task} ({wordings}, t={steps}) drawn again gives other samples than its report "
-            "(another --seed, or the task or its file changed since); score every adapter anew without --add-to."
+            f"--add-to {folder}: {task} ({wordings}, t={steps}) drawn again gives other samples than its report, or "
+            "its baselines were scored on another base model (another --seed or --model, or the task or its file "
+            "changed since); score every adapter anew without --add-to."
         )
 
 
@@ -487,6 +500,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     _refuse_baselines(
         {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
     )
+    # Every adapter is compared with the baselines of the first one's base model (and scored with its tokenizer).
+    bases = {adapter: model.memory_signature()["base_fingerprint"] for adapter, model, _ in loaded}
+    others = [adapter for adapter, base in bases.items() if base != bases[args.adapters[0]]]
+    if others:
+        raise ValueError(
+            f"--adapters {others} run on another base model than {args.adapters[0]} (without --model, each loads "
+            "the base it names); their scores and gains would be measured against another model's baselines: "
+            "evaluate them in separate runs."
+        )
     rules = [model.config.update for _, model, _ in loaded]
     # Adapters are named by their update rule, and by the adapter too where two share a rule or join a report.
     models = {
@@ -518,12 +540,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for sample_set in sample_sets:
         task, wordings, steps, samples, metric = sample_set
         if args.add_to:
-            _check_same_samples(results, sample_set, no_context_scores, args.add_to)
+            _check_same_samples(results, sample_set, bases[args.adapters[0]], no_context_scores, args.add_to)
         digest = _samples_digest(samples)
         for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
             score = score_samples(model, tokenizer, samples, method, metric, batch_size=args.batch_size)
             added.append(
-                {"task": task, "wordings": wordings, **score.to_dict(), "method": name, "samples_digest": digest}
+                {
+                    "task": task,
+                    "wordings": wordings,
+                    **score.to_dict(),
+                    "method": name,
+                    "samples_digest": digest,
+                    "base_fingerprint": model.memory_signature()["base_fingerprint"],
+                }
             )
             print(
                 f"{task:16s} {wordings:6s} t={steps:<3d} {name:22s} {score.metric} {score.value:8.3f} "
