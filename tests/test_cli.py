@@ -841,3 +841,27 @@ def test_eval_refuses_adapters_and_reports_on_another_base_model(tiny_model, ada
             main([*adding, "--add-to", str(tmp_path / report)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "added").exists()
+
+
+def test_a_report_whose_plot_fails_keeps_every_file_of_the_earlier_report(
+    tiny_model, adapter, tmp_path, monkeypatch, capsys
+):
+    """The files of a report were replaced one after another: a plot that failed (matplotlib missing, a full disk)
+    left the new eval.json (or stream_eval.json) beside the earlier report's table and plot."""
+    import sys
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
+    report = tmp_path / "report"
+    scoring = ["eval", "--model", tiny_model, "--output-dir", str(report), "--adapters"]
+    main([*scoring, adapter, "--tasks", "icl", "--steps", "1", "--samples", "2"])
+    streams = tmp_path / "streams"
+    stream_eval(tiny_model, adapter, streams, "--tokens", "40")
+    before = {path: path.read_bytes() for folder in (report, streams) for path in folder.iterdir()}
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # an import of it now fails
+    with pytest.raises(ImportError):
+        main([*scoring, str(copy), "--add-to", str(report)])
+    with pytest.raises(ImportError):
+        stream_eval(tiny_model, adapter, streams, "--tokens", "60")
+    assert {path: path.read_bytes() for folder in (report, streams) for path in folder.iterdir()} == before
+    capsys.readouterr()

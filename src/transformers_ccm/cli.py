@@ -565,10 +565,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     report, table = report_json(results, summary), markdown(results, summary)
-    # Each file replaced in one step: --output-dir may be the --add-to folder, whose report must survive a failure.
-    _replace_file(output / "eval.json", lambda path: Path(path).write_text(report))
-    _replace_file(output / "eval.png", lambda path: plot(results, path))
-    _replace_file(output / "eval.md", lambda path: Path(path).write_text(table))
+    # The files replaced together: --output-dir may be the --add-to folder, whose report must survive a failure.
+    _replace_files(
+        {
+            output / "eval.json": lambda path: Path(path).write_text(report),
+            output / "eval.png": lambda path: plot(results, path),
+            output / "eval.md": lambda path: Path(path).write_text(table),
+        }
+    )
     print("\nat the largest time step (95% intervals):")
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
@@ -668,8 +672,12 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "streaming": asdict(ccm),
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
-    _replace_file(output / "stream_eval.json", lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"))
-    _replace_file(output / "stream_eval.png", lambda path: plot_stream(results, args.bucket, path))
+    _replace_files(
+        {
+            output / "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
+            output / "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
+        }
+    )
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
 
 
@@ -754,16 +762,26 @@ def _check_output_dir(path: str) -> None:
 
 def _replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
     """Replace the file at `path` in one step with what `write(temporary_path)` writes: a failed or interrupted
-    write keeps the previous file. The temporary path keeps the suffix (a plot's format follows it)."""
-    path = os.fspath(path)
-    stem, suffix = os.path.splitext(path)
-    temporary = f"{stem}.{os.getpid()}.tmp{suffix}"
+    write keeps the previous file."""
+    _replace_files({path: write})
+
+
+def _replace_files(writes: dict[str | os.PathLike[str], Callable[[str], object]]) -> None:
+    """Replace each file at a key of `writes` with what its `write(temporary_path)` writes, every file written before
+    any is replaced: a failed or interrupted write keeps all the previous files, so that the files of one report
+    never sit beside those of another. The temporary paths keep the suffix (a plot's format follows it)."""
+    temporaries: dict[str, str] = {}
     try:
-        write(temporary)
-        os.replace(temporary, path)
+        for path, write in writes.items():
+            stem, suffix = os.path.splitext(os.fspath(path))
+            temporaries[os.fspath(path)] = f"{stem}.{os.getpid()}.tmp{suffix}"
+            write(temporaries[os.fspath(path)])
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
     finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+        for temporary in temporaries.values():
+            if os.path.exists(temporary):
+                os.remove(temporary)
 
 
 def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
