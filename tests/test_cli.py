@@ -848,7 +848,7 @@ def test_a_report_whose_plot_fails_keeps_every_file_of_the_earlier_report(
 ):
     """The files of a report were replaced one after another: a plot that failed (matplotlib missing, a full disk)
     left the new eval.json (or stream_eval.json) beside the earlier report's table and plot."""
-    import sys
+    from matplotlib.figure import Figure
 
     copy = tmp_path / "copy"
     shutil.copytree(adapter, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
@@ -858,10 +858,31 @@ def test_a_report_whose_plot_fails_keeps_every_file_of_the_earlier_report(
     streams = tmp_path / "streams"
     stream_eval(tiny_model, adapter, streams, "--tokens", "40")
     before = {path: path.read_bytes() for folder in (report, streams) for path in folder.iterdir()}
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # an import of it now fails
-    with pytest.raises(ImportError):
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError, match="No space left"):
         main([*scoring, str(copy), "--add-to", str(report)])
-    with pytest.raises(ImportError):
+    with pytest.raises(OSError, match="No space left"):
         stream_eval(tiny_model, adapter, streams, "--tokens", "60")
     assert {path: path.read_bytes() for folder in (report, streams) for path in folder.iterdir()} == before
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "--adapters", "no-adapter", "--tasks", "icl", "--steps", "1", "--samples", "1"],
+        ["stream-eval", "--adapter", "no-adapter"],
+    ],
+)
+def test_eval_without_matplotlib_fails_before_the_model_loads(tmp_path, monkeypatch, command):
+    """The plot, drawn last, found matplotlib missing only once every model had run (hours at t = 16)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # an import of it fails, as where it is missing
+    with pytest.raises(ImportError, match="Plotting needs the package 'matplotlib'"):
+        main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *command[1:]])
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
+from transformers_ccm.extras import pyplot
 from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
@@ -489,6 +490,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             "them without --add-to."
         )
     _check_output_dir(args.output_dir)
+    # The report's plot is drawn last: without matplotlib, fail now rather than once every model has run.
+    pyplot()
     results: list[dict] = []
     if args.add_to:
         results, sample_sets = _earlier_report(args.add_to, args)
@@ -630,6 +633,8 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokens must be at least 2 (one token predicts the next), got {args.tokens}.")
     _check_device(args.device)
     _check_output_dir(args.output_dir)
+    # The report's plot is drawn last: without matplotlib, fail now rather than once every model has run.
+    pyplot()
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
     try:
