@@ -281,3 +281,17 @@ def test_an_empty_choice_or_input_is_refused_naming_the_sample(ccm, tokenizer, m
             score_samples(
                 ccm, tokenizer, [good, OnlineSample([[5, 6]], [], [8, 9], choices=[[8, 9], [10]])], method, metric
             )
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_a_sample_without_its_output_among_its_choices_is_refused_before_scoring(ccm, tokenizer, method):
+    """Accuracy found the answer among the choices only once a batch had run: no choices or an output outside them
+    failed with "[8] is not in list", no output with a TypeError, after the batches before had been scored."""
+    good = OnlineSample([[5, 6]], [7], [8], choices=[[8], [10]])
+    for bad in (
+        OnlineSample([[5, 6]], [7], [8]),
+        OnlineSample([[5, 6]], [7], [8], choices=[[9], [10]]),
+        OnlineSample([[5, 6]], [7], None, choices=[[8], [10]]),
+    ):
+        with pytest.raises(ValueError, match=r"samples\[2\] has no output among its choices"):
+            score_samples(ccm, tokenizer, [good, good, bad], method, "accuracy", batch_size=1)

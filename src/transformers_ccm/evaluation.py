@@ -156,6 +156,13 @@ def score_samples(
             raise ValueError(
                 f"samples[{i}].input is empty: no position would predict the output's first token; give the input."
             )
+        # The answer is found among the choices by its tokens once a batch has run: a missing output or choice list
+        # failed there with "[...] is not in list" or a TypeError, after the batches before it had been scored.
+        if metric == "accuracy" and (sample.output is None or candidates[0] not in candidates[1:]):
+            raise ValueError(
+                f"samples[{i}] has no output among its choices: accuracy picks the best of the choices, one of which "
+                "must be the output; list the output in its choices, or score the sample by perplexity."
+            )
         if metric == "accuracy" and not all(candidates):  # the output is one of the choices
             raise ValueError(f"samples[{i}] has an empty choice, which has no token to score; list non-empty choices.")
         if metric == "perplexity" and not (sample.output is not None and candidates[0]):
