@@ -313,6 +313,18 @@ def test_stream_eval_of_a_text_shorter_than_its_budget(tiny_model, adapter, tmp_
     assert not (tmp_path / "empty").exists()
 
 
+def test_stream_eval_reads_a_text_file_with_a_byte_order_mark_as_its_text(tiny_model, adapter, tmp_path, capsys):
+    """The mark some editors write at the start of a UTF-8 file was streamed and scored as tokens of the text."""
+    text = "Zoë's café opened at dawn; the baker counted loaves. " * 6
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    reports = [stream_eval(tiny_model, adapter, tmp_path / f.stem, "--text-file", str(f)) for f in (plain, marked)]
+    first, second = ({key: value for key, value in r.items() if key != "text"} for r in reports)  # "text": the path
+    assert first == second
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -637,8 +637,8 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     pyplot()
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
-    try:
-        text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8")
+    try:  # a byte-order mark, as some editors write one, is not part of the text (it was streamed and scored)
+        text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
     ccm = StreamingConfig(
