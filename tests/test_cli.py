@@ -838,6 +838,21 @@ def test_eval_refuses_adapters_and_reports_on_another_base_model(tiny_model, ada
     with pytest.raises(SystemExit) as exit_info:
         main([*scoring, "--adapters", adapter, str(other), "--output-dir", str(tmp_path / "both")])
     assert exit_info.value.code == 2 and f"[{str(other)!r}] run on another base model" in capsys.readouterr().err
+    full_context = tmp_path / "full-context"
+    CCMForCausalLM.from_base(str(other_base), CCMConfig(conditional_lora=False)).save_pretrained(full_context)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                *scoring,
+                "--adapters",
+                adapter,
+                "--full-context-adapter",
+                str(full_context),
+                "--output-dir",
+                str(tmp_path / "both"),
+            ]
+        )
+    assert exit_info.value.code == 2 and "runs on another base model than --adapters" in capsys.readouterr().err
     assert not (tmp_path / "both").exists()
 
     main([*scoring, "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "report")])

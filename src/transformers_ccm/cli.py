@@ -530,9 +530,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
     )
     if args.full_context_adapter:
-        baselines.append(
-            (FINETUNED, _load_full_context(args.full_context_adapter, args.model, reference), "full_context")
-        )
+        tuned = _load_full_context(args.full_context_adapter, args.model, reference)
+        if tuned.memory_signature()["base_fingerprint"] != bases[args.adapters[0]]:  # the same shape, other weights
+            raise ValueError(
+                f"--full-context-adapter {args.full_context_adapter} runs on another base model than --adapters (each "
+                "loads the base it names); give one trained on their base, or name that base with --model."
+            )
+        baselines.append((FINETUNED, tuned, "full_context"))
     added = []
 
     def no_context_scores(sample_set: SampleSet) -> list[tuple[float, int]]:
