@@ -857,9 +857,9 @@ def test_eval_refuses_adapters_and_reports_on_another_base_model(tiny_model, ada
 
     main([*scoring, "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "report")])
     rows = json.loads((tmp_path / "report" / "eval.json").read_text())["results"]
-    older = tmp_path / "older"  # a report written before rows carried their base model's fingerprint
+    older = tmp_path / "older"  # a report written before rows carried their digests
     older.mkdir()
-    stripped = [{key: value for key, value in row.items() if key != "base_fingerprint"} for row in rows]
+    stripped = [{k: v for k, v in row.items() if k not in ("samples_digest", "base_fingerprint")} for row in rows]
     (older / "eval.json").write_text(json.dumps({"results": stripped}))
     capsys.readouterr()
     adding = ["eval", "--model", str(other_base), "--adapters", str(other), "--output-dir", str(tmp_path / "added")]

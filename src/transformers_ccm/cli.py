@@ -420,8 +420,10 @@ def _check_same_samples(
     folder: str,
 ) -> None:
     """Raise unless `sample_set`, drawn anew, holds the samples of its no-context row in `rows` and that row was
-    scored on the base model whose fingerprint is `base`: by their digests, or in reports written before rows had
-    them, by the no-context scores `no_context(sample_set)` computes again (they depend on both)."""
+    scored on the base model whose fingerprint is `base`: by their digests, or in reports written before rows had a
+    samples digest, by the no-context scores `no_context(sample_set)` computes again (they depend on both). Rows
+    with a samples digest but no fingerprint are taken on their digest: scores computed again on another device
+    may differ by a near tie, and refuse the right base."""
     import torch
 
     task, wordings, steps, samples, _ = sample_set
@@ -437,7 +439,7 @@ def _check_same_samples(
             f"--add-to {folder}: its baselines were scored on another base model than the one --adapters run on "
             "here; give the --model of that report, or score every adapter anew without --add-to."
         )
-    if "samples_digest" in stored and "base_fingerprint" in stored:
+    if "samples_digest" in stored:
         same = stored["samples_digest"] == _samples_digest(samples)
     else:
         before = torch.tensor(stored["per_sample"], dtype=torch.float64)
