@@ -145,3 +145,19 @@ def test_a_session_refuses_a_memory_it_cannot_hold_a_conversation_in(tokenizer, 
     ):
         with pytest.raises(ValueError, match=f"ChatSession needs one user's memory; this is {problem}"):
             ChatSession(chat_model, tokenizer, cache)
+
+
+def test_a_session_refuses_a_memory_of_another_model_or_adapter(tokenizer, chat_model):
+    """A memory made by another base model or adapter (or a cache of another kind) was taken, and every turn then
+    failed; it is refused when the session starts."""
+    from transformers import DynamicCache
+
+    other_base = randomize_adapter(
+        CCMForCausalLM.from_base(tiny_llama_for(tokenizer, seed=1), CCMConfig(update="merge"))
+    )
+    other_update = CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="concat"))
+    for cache in (other_base.new_cache(), other_update.new_cache()):
+        with pytest.raises(ValueError, match="belongs to another model or adapter"):
+            ChatSession(chat_model, tokenizer, cache)
+    with pytest.raises(TypeError, match="must be a CompressedMemoryCache"):
+        ChatSession(chat_model, tokenizer, DynamicCache())

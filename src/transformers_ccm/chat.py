@@ -136,7 +136,7 @@ class ChatSession(_Conversation):
     ) -> None:
         super().__init__(model, tokenizer, max_new_tokens)
         if cache is not None:
-            _check_conversation_memory(cache)
+            _check_conversation_memory(model, cache)
         self.cache = cache if cache is not None else model.new_cache()
         self.history_tokens = 0  # what a full-context model would hold for the same conversation
 
@@ -159,9 +159,11 @@ class ChatSession(_Conversation):
         )
 
 
-def _check_conversation_memory(cache: CompressedMemoryCache) -> None:
-    """Raise a ValueError, before any message is typed, unless `cache` can hold one conversation: every turn of a
-    session failed on a stream, a memory of several users, or one with a turn left unfolded."""
+def _check_conversation_memory(model: CCMForCausalLM, cache: CompressedMemoryCache) -> None:
+    """Raise, before any message is typed, unless `cache` can hold one conversation with `model`: every turn of a
+    session failed on another kind of cache, a memory of another model or adapter, a stream, a memory of several
+    users, or one with a turn left unfolded."""
+    model._check_cache(cache, "ChatSession")  # the cache's kind, owner and device, as every model call checks them
     problem = (
         "a streaming cache, which compresses by itself"
         if cache.streaming is not None
