@@ -161,3 +161,14 @@ def test_a_session_refuses_a_memory_of_another_model_or_adapter(tokenizer, chat_
             ChatSession(chat_model, tokenizer, cache)
     with pytest.raises(TypeError, match="must be a CompressedMemoryCache"):
         ChatSession(chat_model, tokenizer, DynamicCache())
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+@pytest.mark.parametrize("message", ["hi \ud800 there", "caf\udce9"])
+def test_a_message_that_is_not_unicode_text_is_refused(tokenizer, chat_model, conversation, message):
+    """A lone surrogate (what invalid UTF-8 input decodes to) failed in the tokenizer with a TypeError about
+    'TextEncodeInput', which also ended `ccm chat`; it is a ValueError that names the character."""
+    chat = conversation(chat_model, tokenizer, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"not valid Unicode text \(U\+D[89A-F][0-9A-F]{2}"):
+        chat.turn(message)
+    assert chat.history_tokens == 0

@@ -913,3 +913,16 @@ def test_eval_without_matplotlib_fails_before_the_model_loads(tmp_path, monkeypa
     with pytest.raises(ImportError, match="Plotting needs the package 'matplotlib'"):
         main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *command[1:]])
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_goes_on_after_a_line_that_is_not_utf8(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    """Bytes that are not UTF-8 on the input ended the whole chat with "ccm chat: error: 'utf-8' codec can't
+    decode byte 0xff" (before the lines around them were answered); that line is refused, and the others answered."""
+    memory = tmp_path / "user.safetensors"
+    arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
+    typed = io.TextIOWrapper(io.BytesIO(b"Hi, I am Ann.\ncaf\xe9 au lait\nWhat is my name?\n"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", typed)
+    main([*arguments, "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
+    assert "that message was not answered (The message is not valid Unicode text (U+DCE9 at character 3" in captured.err

@@ -91,6 +91,13 @@ class _Conversation:
         """The ids of a user turn, up to where the assistant's reply starts."""
         if not message.strip():
             raise ValueError("The message is empty; type something to say.")
+        try:  # the tokenizer refuses a lone surrogate with a TypeError that does not say what is wrong
+            message.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"The message is not valid Unicode text (U+{ord(message[error.start]):04X} at character "
+                f"{error.start}, a lone surrogate: input that was not UTF-8); type it again as UTF-8 text."
+            ) from None
         return (
             self._ids(self.format.before_message)
             + self._ids(message, plain=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import os
 import re
 import sys
@@ -727,16 +728,20 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(f"(memory loaded from {args.memory_file}: {cache.memory_length} slots)")
     session = ChatSession(model, tokenizer, cache, max_new_tokens=args.max_new_tokens)
     print("Type a message (an empty line or Ctrl-D ends).", flush=True)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # Bytes that are not UTF-8 become lone surrogates, which the session refuses for that message alone; a strict
+        # decoder raised from the loop itself and ended the chat.
+        sys.stdin.reconfigure(errors="surrogateescape")
     for line in sys.stdin:
         message = line.strip()
         if not message or message in ("exit", "quit"):
             break
-        print(f"you: {message}")
         try:
             report = session.turn(message)
         except ValueError as error:  # a message the model cannot take: a failed turn leaves the memory as it was
             print(f"ccm chat: that message was not answered ({error}); the memory is as it was.", file=sys.stderr)
             continue
+        print(f"you: {message}")  # once answered: a message refused as not being text could not be printed either
         _print_turn(report)
         if args.memory_file:
             _save_memory(session.cache, args.memory_file)
