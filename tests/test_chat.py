@@ -49,6 +49,30 @@ def test_another_template_gives_its_own_turns(tokenizer):
     assert TurnFormat.of(other) == TurnFormat("<|user|>\n", "</s>\n<|assistant|>\n", "</s>\n")
 
 
+LLAMA_2_TEMPLATE = (  # Llama 2 chat's template (its alternation check left out): a reply is " " + content + " " + eos
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + message['content'].strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def test_a_reply_stops_at_the_end_token_after_the_templates_spacing(tokenizer, chat_model):
+    """A template that writes a space before the end of a reply (Llama 2: " </s>") made the bare space token the
+    stop token: a reply stopped at the first one the model wrote, and ran on past the real end token."""
+    spaced = copy.deepcopy(tokenizer)
+    spaced.chat_template = LLAMA_2_TEMPLATE
+    assert TurnFormat.of(spaced).end_of_reply == f" {tokenizer.eos_token}"
+    session = ChatSession(chat_model, spaced)
+    assert (session._end_of_turn, session._after_reply) == (tokenizer.eos_token_id, [])
+    whitespace_only = copy.deepcopy(tokenizer)  # a reply ended by a blank line alone still stops there
+    whitespace_only.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    assert ChatSession(chat_model, whitespace_only)._end_of_turn == tokenizer("\n\n")["input_ids"][0]
+
+
 def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = None

@@ -21,7 +21,7 @@ class TurnFormat:
     """How the tokenizer's chat template writes one exchange, without any system prompt it may add.
 
     A user turn is `before_message + message + after_message` (the assistant's reply starts right after);
-    a reply ends with `end_of_reply` (its first token is where generation stops).
+    a reply ends with `end_of_reply` (its first token after any leading whitespace is where generation stops).
     """
 
     before_message: str
@@ -77,7 +77,9 @@ class _Conversation:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.format = TurnFormat.of(tokenizer)
-        end_of_reply = self._ids(self.format.end_of_reply)
+        # The template's spacing before a reply's end (Llama 2: " </s>") is no token the model writes: stopping at
+        # its first token stopped replies at a bare space token, and ran them on past the real end token.
+        end_of_reply = self._ids(self.format.end_of_reply.lstrip() or self.format.end_of_reply)
         if not end_of_reply:
             raise ValueError("The tokenizer's chat template ends a reply with no token; generation could not stop.")
         self._end_of_turn, self._after_reply = end_of_reply[0], end_of_reply[1:]
