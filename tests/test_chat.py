@@ -196,3 +196,20 @@ def test_a_message_that_is_not_unicode_text_is_refused(tokenizer, chat_model, co
     with pytest.raises(ValueError, match=r"not valid Unicode text \(U\+D[89A-F][0-9A-F]{2}"):
         chat.turn(message)
     assert chat.history_tokens == 0
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+@pytest.mark.parametrize("setting", [{"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2}])
+def test_a_reply_is_greedy_whatever_the_models_generation_config(tokenizer, chat_model, conversation, setting):
+    """Beams in the base model's generation_config made the reply a beam search; with several returned sequences
+    generate() left the memory without the exchange, and the session folded the template's closing tokens alone (the
+    message and reply were lost without a word). The reply is greedy and the exchange is folded."""
+    beamed = copy.deepcopy(chat_model)
+    beamed.base_model.generation_config.update(**setting)
+    plain, tried = (conversation(model, tokenizer, max_new_tokens=4) for model in (chat_model, beamed))
+    for message in ("Hi! I'm Maria.", "What is my name?"):
+        expected = plain.turn(message)
+        assert tried.turn(message) == expected
+    if conversation is ChatSession:
+        for kept, reference in zip(tried.cache.layers, plain.cache.layers, strict=True):
+            assert torch.equal(kept.keys, reference.keys) and torch.equal(kept.values, reference.values)

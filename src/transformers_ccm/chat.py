@@ -115,7 +115,11 @@ class _Conversation:
             torch.tensor([input_ids], device=self.model.device),
             **{CACHE_ARGUMENT: cache},
             max_new_tokens=self.max_new_tokens,
+            # Greedy whatever the model's generation_config says: with several returned sequences, generate() leaves
+            # the memory without the turn, and only the closing tokens would be folded.
             do_sample=False,
+            num_beams=1,
+            num_return_sequences=1,
             eos_token_id=self._end_of_turn,
             pad_token_id=self._end_of_turn,
         )
