@@ -213,3 +213,20 @@ def test_a_reply_is_greedy_whatever_the_models_generation_config(tokenizer, chat
     if conversation is ChatSession:
         for kept, reference in zip(tried.cache.layers, plain.cache.layers, strict=True):
             assert torch.equal(kept.keys, reference.keys) and torch.equal(kept.values, reference.values)
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_a_generation_config_with_outputs_or_stop_strings_is_followed(tokenizer, chat_model, conversation):
+    """return_dict_in_generate or stop_strings in the base model's generation_config failed every turn (a TypeError
+    on the returned outputs; "could not locate a tokenizer"): the reply is the same ids, and stops at a stop string."""
+    plain = conversation(chat_model, tokenizer, max_new_tokens=4).turn("Hi! I'm Maria.")
+    plain = plain.reply if conversation is ChatSession else plain
+    stop = plain.split()[1]
+    for setting, expected in (
+        ({"return_dict_in_generate": True, "output_scores": True}, plain),
+        ({"stop_strings": [stop]}, plain[: plain.index(stop) + len(stop)]),
+    ):
+        configured = copy.deepcopy(chat_model)
+        configured.base_model.generation_config.update(**setting)
+        reply = conversation(configured, tokenizer, max_new_tokens=4).turn("Hi! I'm Maria.")
+        assert (reply.reply if conversation is ChatSession else reply) == expected

@@ -122,6 +122,10 @@ class _Conversation:
             num_return_sequences=1,
             eos_token_id=self._end_of_turn,
             pad_token_id=self._end_of_turn,
+            # What the generation_config may ask for and a turn must then supply: the ids alone, a tokenizer to
+            # find its stop strings with.
+            return_dict_in_generate=False,
+            tokenizer=self.tokenizer,
         )
         generated = output[0, len(input_ids) :].tolist()
         if self._end_of_turn in generated:
