@@ -230,3 +230,25 @@ def test_a_generation_config_with_outputs_or_stop_strings_is_followed(tokenizer,
         configured.base_model.generation_config.update(**setting)
         reply = conversation(configured, tokenizer, max_new_tokens=4).turn("Hi! I'm Maria.")
         assert (reply.reply if conversation is ChatSession else reply) == expected
+
+
+def test_full_context_chat_refuses_a_turn_past_learned_absolute_positions(tokenizer):
+    """With a base model of learned absolute positions (GPT-2), a conversation longer than them failed inside the
+    position embedding with an IndexError (a device-side assert on a GPU); the turn is refused with a ValueError
+    before the model runs, and the history is kept."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    model = CCMForCausalLM.from_base(AutoModelForCausalLM.from_config(config).eval(), CCMConfig())
+    message = "word " * 8  # 18 tokens with the template's
+    refused = FullContextChat(model, tokenizer, max_new_tokens=48)  # runs positions 0..64
+    with pytest.raises(ValueError, match="reaches position 64, past the model's 64 learned absolute positions"):
+        refused.turn(message)
+    assert refused.history == []
+    chat = FullContextChat(model, tokenizer, max_new_tokens=47)  # runs positions 0..63: it fits
+    chat.turn(message)
+    history = list(chat.history)
+    with pytest.raises(ValueError, match="learned absolute positions"):
+        chat.turn(message)
+    assert chat.history == history

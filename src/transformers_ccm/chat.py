@@ -9,6 +9,7 @@ from transformers import Cache, GenerationMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
+from transformers_ccm.data import check_position_limit
 from transformers_ccm.evaluation import kv_bytes_per_token
 from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
 from transformers_ccm.validation import positive_int
@@ -213,6 +214,13 @@ class FullContextChat(_Conversation):
     def turn(self, message: str) -> str:
         """Answer `message` from the whole conversation so far and keep the exchange in it."""
         prompt = self.history + self.prompt_ids(message)
+        # Learned absolute positions (GPT-2) failed inside the position embedding (on a GPU, a device-side assert);
+        # generate() runs the prompt and every generated token but the last.
+        check_position_limit(
+            len(prompt) + self.max_new_tokens - 1,
+            self.model.absolute_position_limit,
+            f"The conversation with this message and a reply of up to {self.max_new_tokens} tokens",
+        )
         with self.model.reading_plain_prompt():
             generated, reply_ids, closing = self._reply(prompt, self.model.base_model, None)
         self.history = prompt + generated + closing
