@@ -252,3 +252,33 @@ def test_full_context_chat_refuses_a_turn_past_learned_absolute_positions(tokeni
     with pytest.raises(ValueError, match="learned absolute positions"):
         chat.turn(message)
     assert chat.history == history
+
+
+def test_full_context_chat_refuses_a_turn_while_another_runs(tokenizer, chat_model):
+    """Two turns at once (threads sharing the conversation) each read the same history, and the one that ended last
+    kept only its own exchange: the other was lost without a word. The second is refused; the history holds the first
+    exchange alone, as in a conversation that never met the second."""
+    import threading
+
+    chat, clean = (FullContextChat(chat_model, tokenizer, max_new_tokens=3) for _ in range(2))
+    refusals: list[BaseException] = []
+
+    def other_thread(*_: object) -> None:
+        handle.remove()  # once, while the first turn runs
+        try:
+            chat.turn("I'm the other thread.")
+        except ValueError as error:
+            refusals.append(error)
+
+    def start_other_thread(*_: object) -> None:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+
+    handle = chat_model.base_model.model.layers[0].register_forward_pre_hook(start_other_thread)
+    try:
+        reply = chat.turn("Hi! I'm Maria.")
+    finally:
+        handle.remove()
+    assert len(refusals) == 1 and "is answering another message" in str(refusals[0])
+    assert reply == clean.turn("Hi! I'm Maria.") and chat.history == clean.history

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,7 @@ class FullContextChat(_Conversation):
     def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int = 96) -> None:
         super().__init__(model, tokenizer, max_new_tokens)
         self.history: list[int] = []
+        self._answering = threading.Lock()
 
     @property
     def history_tokens(self) -> int:
@@ -213,6 +215,18 @@ class FullContextChat(_Conversation):
 
     def turn(self, message: str) -> str:
         """Answer `message` from the whole conversation so far and keep the exchange in it."""
+        # Two turns at once each read the same history, and the one that ended last kept only its own exchange.
+        if not self._answering.acquire(blocking=False):
+            raise ValueError(
+                "This FullContextChat is answering another message (in another thread, or from inside its turn); a "
+                "conversation takes one message at a time: wait for the reply, or give each user their own."
+            )
+        try:
+            return self._turn(message)
+        finally:
+            self._answering.release()
+
+    def _turn(self, message: str) -> str:
         prompt = self.history + self.prompt_ids(message)
         # Learned absolute positions (GPT-2) failed inside the position embedding (on a GPU, a device-side assert);
         # generate() runs the prompt and every generated token but the last.
