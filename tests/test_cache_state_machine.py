@@ -126,15 +126,11 @@ def assert_same(got: Any, want: Any, where: str = "cache") -> None:
 
 
 # ----- the machine -----------------------------------------------------------------------------------------------
-class CacheMachine(RuleBasedStateMachine):
-    update = "concat"
+class MachineWithFiles(RuleBasedStateMachine):
+    """A state machine that saves memories: each file in a folder of its own, removed when the run ends."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = tiny_ccm("llama", update=self.update)
-        self.caches = [self.model.new_cache() for _ in range(NUM_CACHES)]
-        self.ops: list[list[Op]] = [[] for _ in range(NUM_CACHES)]
-        self.replayed: dict[tuple[Op, ...], dict[str, Any]] = {}
         self.folder = Path(tempfile.mkdtemp())
         self.files = 0
 
@@ -144,6 +140,17 @@ class CacheMachine(RuleBasedStateMachine):
     def _path(self) -> Path:
         self.files += 1
         return self.folder / f"memory{self.files}.safetensors"
+
+
+class CacheMachine(MachineWithFiles):
+    update = "concat"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_ccm("llama", update=self.update)
+        self.caches = [self.model.new_cache() for _ in range(NUM_CACHES)]
+        self.ops: list[list[Op]] = [[] for _ in range(NUM_CACHES)]
+        self.replayed: dict[tuple[Op, ...], dict[str, Any]] = {}
 
     def _expected(self, ops: list[Op]) -> dict[str, Any]:
         """The state of a fresh cache after replaying `ops` (each replay from scratch, memoized by history)."""

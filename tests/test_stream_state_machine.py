@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import copy
 import functools
-import shutil
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import invariant, rule
 
-from test_cache_state_machine import assert_same, snapshot
+from test_cache_state_machine import MachineWithFiles, assert_same, snapshot
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 
@@ -61,7 +58,7 @@ def token_rows(min_size: int, max_size: int) -> st.SearchStrategy[tuple[tuple[in
     return st.integers(min_size, max_size).flatmap(rows_of).map(tuple)
 
 
-class _Machine(RuleBasedStateMachine):
+class _Machine(MachineWithFiles):
     """What both machines share: caches, their histories, replay, save/load, copies, batch operations, resets and
     transactions. A machine defines `new(op)`, the cache that the first entry of a history makes, `call(cache, op)`,
     which runs a model call, and `valid_call(index)`, model calls that cache `index` takes (never refused)."""
@@ -73,15 +70,6 @@ class _Machine(RuleBasedStateMachine):
         self.caches: list[CompressedMemoryCache] = []
         self.ops: list[list[Op]] = []
         self.replayed: dict[tuple[Op, ...], CompressedMemoryCache] = {}
-        self.folder = Path(tempfile.mkdtemp())
-        self.files = 0
-
-    def teardown(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def _path(self) -> Path:
-        self.files += 1
-        return self.folder / f"memory{self.files}.safetensors"
 
     def apply(self, cache: CompressedMemoryCache, op: Op) -> None:
         """Run `op` on `cache`: a batch operation or a reset here, a model call in `call`."""
