@@ -707,6 +707,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         Digests are recomputed only after a weight changed (tracked by tensor version counters), so asking at
         every call is cheap.
         """
+        return self._signature(self._state())
+
+    def _signature(self, state: tuple[Any, ...]) -> dict[str, Any]:
+        """`memory_signature()` for the model in `state` (`_state()`), whose version scans key the digests: a call
+        checks its cache with the scan it holds the model to, not with one more."""
+        adapter_versions, base_versions, _ = state
         return {
             "base_model": self.config.base_model_name_or_path,
             **base_shape(self.base_model.config),
@@ -715,8 +721,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             "num_comp_tokens": self.config.num_comp_tokens,
             "max_memory_tokens": self.config.max_memory_tokens,
             "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
-            "adapter_sha256": self._digest("adapter", adapter_digest),
-            "base_fingerprint": self._digest("base", weights_fingerprint),
+            "adapter_sha256": self._digest("adapter", adapter_digest, adapter_versions),
+            "base_fingerprint": self._digest("base", weights_fingerprint, base_versions),
         }
 
     def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -742,13 +748,14 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         version counter; replaced: its storage)."""
         return tuple((parameter._version, parameter.data_ptr()) for _, parameter in self._weights()[kind])
 
-    def _digest(self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str]) -> str:
-        """`compute` over the `kind` weights, again only if one of them changed since."""
-        parameters = self._weights()[kind]
-        key = self._versions(kind)
+    def _digest(
+        self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str], versions: tuple[tuple[int, int], ...]
+    ) -> str:
+        """`compute` over the `kind` weights, again only if one of them changed since `versions` (`_versions(kind)`)
+        keyed the digest."""
         cached = self._digests.get(kind)
-        if cached is None or cached[0] != key:
-            cached = self._digests[kind] = key, compute(parameters)
+        if cached is None or cached[0] != versions:
+            cached = self._digests[kind] = versions, compute(self._weights()[kind])
         return cached[1]
 
     def _state(self) -> tuple[Any, ...]:
@@ -785,7 +792,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache.check_free()
         cache.check_no_call(call)
         self._check_attention()
-        cache.check_signature(self.memory_signature())
+        cache.check_signature(self._signature(state))
         cache.check_device(self.device)
         return state
 
