@@ -508,7 +508,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     # Every adapter is compared with the baselines of the first one's base model (and scored with its tokenizer).
     bases = {adapter: model.memory_signature()["base_fingerprint"] for adapter, model, _ in loaded}
-    others = [adapter for adapter, base in bases.items() if base != bases[args.adapters[0]]]
+    base = bases[args.adapters[0]]  # every row's, once the checks pass
+    others = [adapter for adapter, fingerprint in bases.items() if fingerprint != base]
     if others:
         raise ValueError(
             f"--adapters {others} run on another base model than {args.adapters[0]} (without --model, each loads "
@@ -534,7 +535,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     )
     if args.full_context_adapter:
         tuned = _load_full_context(args.full_context_adapter, args.model, reference)
-        if tuned.memory_signature()["base_fingerprint"] != bases[args.adapters[0]]:  # the same shape, other weights
+        if tuned.memory_signature()["base_fingerprint"] != base:  # the same shape, other weights
             raise ValueError(
                 f"--full-context-adapter {args.full_context_adapter} runs on another base model than --adapters (each "
                 "loads the base it names); give one trained on their base, or name that base with --model."
@@ -550,7 +551,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for sample_set in sample_sets:
         task, wordings, steps, samples, metric = sample_set
         if args.add_to:
-            _check_same_samples(results, sample_set, bases[args.adapters[0]], no_context_scores, args.add_to)
+            _check_same_samples(results, sample_set, base, no_context_scores, args.add_to)
         digest = _samples_digest(samples)
         for name, model, method in [*baselines, *((name, model, "ccm") for name, model in models.items())]:
             score = score_samples(model, tokenizer, samples, method, metric, batch_size=args.batch_size)
@@ -561,7 +562,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     **score.to_dict(),
                     "method": name,
                     "samples_digest": digest,
-                    "base_fingerprint": model.memory_signature()["base_fingerprint"],
+                    "base_fingerprint": base,
                 }
             )
             print(
