@@ -1,0 +1,308 @@
+"""Many users served from several threads (and asyncio tasks) by one model: each thread's results equal the same
+operations run alone, one after another, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+
+from tiny_models import randomize_adapter, tiny_llama_for
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
+from transformers_ccm.chat import ChatSession
+from transformers_ccm.embedded import load_tokenizer
+
+Result = list[object]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+def tiny_llama_model(tokenizer, update: str = "merge") -> CCMForCausalLM:
+    """A tiny CCM Llama with a random adapter and `tokenizer`'s vocabulary."""
+    config = CCMConfig(update=update, max_memory_tokens=6 if update == "concat" else None)
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), config))
+
+
+@pytest.fixture(scope="module", params=["concat", "merge"])
+def model(request, tokenizer) -> CCMForCausalLM:
+    return tiny_llama_model(tokenizer, request.param)
+
+
+class _GumbelSampling(LogitsProcessor):
+    """Sampling from the model's distribution with a generator of the call's own (Gumbel-max): every token but the
+    drawn one is masked, so generate()'s own draw from the global generator, which threads share, picks it surely."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(min=1e-20)
+        drawn = (scores - torch.log(-torch.log(uniform))).argmax(-1, keepdim=True)
+        return torch.full_like(scores, -torch.inf).scatter(-1, drawn, 0.0)
+
+
+def _interrupt(*_: object, **__: object) -> torch.Tensor:
+    raise KeyboardInterrupt
+
+
+@dataclass
+class _User:
+    """One thread's users: a cache of `rows` rows, and the tokens its operations draw from `seed`."""
+
+    model: CCMForCausalLM
+    tokenizer: object
+    folder: str
+    name: str
+    seed: int
+    rows: int = 2
+
+    def __post_init__(self) -> None:
+        self.cache = self.model.new_cache(self.rows)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.step = 0
+
+    def ids(self, length: int) -> torch.Tensor:
+        return torch.randint(3, 90, (self.cache.batch_size, length), generator=self.generator)
+
+    def folded(self) -> None:
+        if self.cache.has_unfolded_turn:
+            self.model.compress(self.cache)
+
+    def run(self, operation: str) -> Result:
+        """Run `operation` on this thread's cache; returns what it produced."""
+        self.step += 1
+        model, cache = self.model, self.cache
+        if operation == "compress":
+            model.compress(cache, self.ids(3))
+            return []
+        if operation.startswith("generate"):
+            self.folded()
+            options: dict[str, object] = {"max_new_tokens": 3, "do_sample": False}
+            if operation == "generate sampling":
+                sampler = _GumbelSampling(torch.Generator().manual_seed(self.seed * 100 + self.step))
+                options.update(do_sample=True, logits_processor=LogitsProcessorList([sampler]))
+            elif operation == "generate beams":
+                options.update(num_beams=2)
+            return [model.generate(self.ids(2), past_key_values=cache, **options)]
+        if operation == "interrupted generate":
+            self.folded()
+            prompt = self.ids(2)
+            interrupting = StoppingCriteriaList([_interrupt])
+            with pytest.raises(KeyboardInterrupt):
+                model.generate(prompt, past_key_values=cache, max_new_tokens=3, stopping_criteria=interrupting)
+            return [cache.has_unfolded_turn]
+        if operation == "forward":
+            with torch.no_grad():
+                return [model(input_ids=self.ids(2), past_key_values=cache).logits]
+        if operation == "save and load":
+            self.folded()
+            path = f"{self.folder}/{self.name}.safetensors"
+            cache.save(path)
+            self.cache = CompressedMemoryCache.load(path, model)
+            with open(path, "rb") as file:
+                return [hashlib.sha256(file.read()).hexdigest()]
+        if operation == "copy":
+            self.cache = cache.copy()
+            return []
+        if operation == "reorder":
+            cache.reorder_cache(torch.arange(cache.batch_size).flip(0))
+            return []
+        if operation == "select rows":
+            cache.batch_select_indices(torch.tensor([cache.batch_size - 1]))
+            return []
+        if operation == "chat":
+            session = ChatSession(model, self.tokenizer, max_new_tokens=3)
+            return [session.turn(f"hello <|im_end|> user {self.seed} {self.step}").reply]
+        raise AssertionError(operation)
+
+    def final(self) -> Result:
+        return [self.cache.rows, *((layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized)]
+
+
+USER_OPERATIONS = (
+    "compress",
+    "generate greedy",
+    "generate sampling",
+    "generate beams",
+    "interrupted generate",
+    "forward",
+    "save and load",
+    "copy",
+    "reorder",
+    "select rows",
+    "chat",
+)
+
+
+class _Reader:
+    """A thread that reads the model and runs the base model under its own gate contexts, never using a cache."""
+
+    def __init__(self, model: CCMForCausalLM, seed: int) -> None:
+        self.model = model
+        self.ids = torch.randint(3, 90, (1, 4), generator=torch.Generator().manual_seed(seed))
+
+    def run(self, operation: str) -> Result:
+        model = self.model
+        with torch.no_grad():
+            if operation == "state_dict":
+                return [sum(float(tensor.double().sum()) for tensor in model.state_dict().values())]
+            if operation == "signature":
+                return [model.memory_signature()]
+            if operation == "parameters":
+                return [sum(parameter.numel() for parameter in model.parameters()), model.num_parameters()]
+            if operation == "adapter disabled":
+                with model.adapter_disabled(), model.lora_at(torch.ones(1, 4, dtype=torch.bool)):
+                    return [model.base_model(input_ids=self.ids).logits]
+            if operation == "lora at":
+                with model.lora_at(torch.tensor([[False, True, True, False]])):
+                    return [model.base_model(input_ids=self.ids).logits]
+        raise AssertionError(operation)
+
+    def final(self) -> Result:
+        return []
+
+
+READER_OPERATIONS = ("state_dict", "signature", "parameters", "adapter disabled", "lora at")
+
+
+@contextlib.contextmanager
+def _frequent_thread_switches() -> Iterator[None]:
+    """Switch threads every microsecond (instead of every 5 ms), so that the threads' calls interleave finely."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _run_alone(worker: _User | _Reader, program: list[str]) -> list[Result]:
+    return [worker.run(operation) for operation in program] + [worker.final()]
+
+
+def _run_together(workers: list[_User | _Reader], programs: list[list[str]]) -> list[list[Result]]:
+    """Run each worker's program in a thread of its own; every step starts in every thread at once."""
+    steps = max(len(program) for program in programs)
+    barrier = threading.Barrier(len(workers))
+    results: list[list[Result]] = [[] for _ in workers]
+    failures: list[BaseException] = []
+
+    def thread(index: int) -> None:
+        try:
+            for step in range(steps):
+                barrier.wait()
+                if step < len(programs[index]):
+                    results[index].append(workers[index].run(programs[index][step]))
+            results[index].append(workers[index].final())
+        except BaseException as error:  # reported below, with the thread's program
+            failures.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=thread, args=(index,)) for index in range(len(workers))]
+    with _frequent_thread_switches():
+        for each in threads:
+            each.start()
+        for each in threads:
+            each.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def _assert_equal(got: object, want: object, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for a, b in zip(got, want, strict=True):
+            _assert_equal(a, b, where)
+    elif hasattr(want, "__dataclass_fields__"):
+        for name in want.__dataclass_fields__:
+            _assert_equal(getattr(got, name), getattr(want, name), f"{where}.{name}")
+    else:
+        assert got == want, where
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    users=st.lists(st.lists(st.sampled_from(USER_OPERATIONS), min_size=1, max_size=6), min_size=2, max_size=3),
+    readers=st.lists(st.lists(st.sampled_from(READER_OPERATIONS), min_size=1, max_size=6), max_size=2),
+)
+def test_threads_serving_their_own_caches_give_the_results_of_running_alone(
+    model, tokenizer, tmp_path_factory, users, readers
+):
+    folder = tmp_path_factory.mktemp("memories")
+
+    def workers() -> list[_User | _Reader]:
+        return [_User(model, tokenizer, str(folder), f"user{index}", seed=index) for index in range(len(users))] + [
+            _Reader(model, seed=index) for index in range(len(readers))
+        ]
+
+    programs = users + readers
+    alone = [_run_alone(worker, program) for worker, program in zip(workers(), programs, strict=True)]
+    together = _run_together(workers(), programs)
+    for index, (got, want) in enumerate(zip(together, alone, strict=True)):
+        _assert_equal(got, want, f"thread {index} ({programs[index]}) differs from its run alone")
+
+
+def _user_session(model: CCMForCausalLM, seed: int) -> list[torch.Tensor]:
+    """One user's turns: compress a context, then twice generate a reply and fold the turn."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache()
+    model.compress(cache, torch.randint(3, 90, (1, 5), generator=generator))
+    replies = []
+    for _ in range(2):
+        prompt = torch.randint(3, 90, (1, 3), generator=generator)
+        replies.append(model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False))
+        model.compress(cache)
+    return replies
+
+
+def test_asyncio_tasks_serving_through_threads_give_the_results_of_running_alone(model, tokenizer):
+    """Users served by asyncio tasks that run their calls in threads (`asyncio.to_thread`, `run_in_executor`), one
+    of them streaming its reply to another task through an `AsyncTextIteratorStreamer`."""
+    from transformers import AsyncTextIteratorStreamer
+
+    prompt = torch.tensor([[20, 21, 22]])
+    alone = [_user_session(model, seed) for seed in range(4)]
+    options = {"max_new_tokens": 4, "do_sample": False}
+    streamed_alone = model.generate(prompt, past_key_values=model.new_cache(), **options)
+
+    async def serve() -> tuple[list[list[torch.Tensor]], torch.Tensor, str]:
+        loop = asyncio.get_running_loop()
+        sessions = [
+            asyncio.to_thread(_user_session, model, seed)
+            if seed % 2
+            else loop.run_in_executor(None, _user_session, model, seed)
+            for seed in range(4)
+        ]
+        streamer = AsyncTextIteratorStreamer(tokenizer, skip_prompt=True)
+
+        async def read() -> str:
+            return "".join([text async for text in streamer])
+
+        reader = asyncio.create_task(read())
+        streaming = asyncio.to_thread(
+            model.generate, prompt, past_key_values=model.new_cache(), streamer=streamer, **options
+        )
+        *replies, streamed = await asyncio.gather(*sessions, streaming)
+        return replies, streamed, await reader
+
+    with _frequent_thread_switches():
+        replies, streamed, text = asyncio.run(serve())
+    _assert_equal(replies, alone, "a user served by a task differs from its run alone")
+    assert torch.equal(streamed, streamed_alone)
+    assert text == tokenizer.decode(streamed[0, prompt.shape[1] :], skip_special_tokens=True)
