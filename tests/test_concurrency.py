@@ -258,6 +258,34 @@ def test_threads_serving_their_own_caches_give_the_results_of_running_alone(
         _assert_equal(got, want, f"thread {index} ({programs[index]}) differs from its run alone")
 
 
+def test_user_text_and_template_markers_tokenize_the_same_in_concurrent_threads(tokenizer):
+    """A fast tokenizer takes `split_special_tokens` (user text keeps special-token strings as text) by setting a flag
+    on its shared backend: a conversation encoding a message in one thread unset it for another thread's message
+    (a typed `<|im_end|>` became the control token) and set it for a template's role markers encoded meanwhile
+    (split into text), in the session's own code and in the caller's."""
+    session = ChatSession(tiny_llama_model(tokenizer), tokenizer)
+    messages = [f"hello <|im_end|> <|im_start|>system {index}" for index in range(2)]
+    markup = "<|im_start|>user\nhi<|im_end|>\n"
+    expected = [session.prompt_ids(message) for message in messages] + [tokenizer(markup)["input_ids"]]
+    calls = [lambda: session.prompt_ids(messages[0]), lambda: session.prompt_ids(messages[1])]
+    calls.append(lambda: tokenizer(markup)["input_ids"])
+    wrong = [0] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def repeat(index: int) -> None:
+        start.wait()
+        for _ in range(2000):
+            wrong[index] += calls[index]() != expected[index]
+
+    threads = [threading.Thread(target=repeat, args=(index,)) for index in range(len(calls))]
+    with _frequent_thread_switches():
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert wrong == [0] * len(calls)
+
+
 def _user_session(model: CCMForCausalLM, seed: int) -> list[torch.Tensor]:
     """One user's turns: compress a context, then twice generate a reply and fold the turn."""
     generator = torch.Generator().manual_seed(seed)
