@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import sys
 import threading
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
-from tiny_models import randomize_adapter, tiny_llama_for
+from tiny_models import randomize_adapter, tiny_ccm, tiny_full_context_baseline, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
@@ -129,7 +130,12 @@ class _User:
         raise AssertionError(operation)
 
     def final(self) -> Result:
-        return [self.cache.rows, *((layer.keys, layer.values) for layer in self.cache.layers if layer.is_initialized)]
+        return _content(self.cache)
+
+
+def _content(cache: CompressedMemoryCache) -> Result:
+    """What a cache holds: its rows' state and every layer's keys and values."""
+    return [cache.rows, *((layer.keys, layer.values) for layer in cache.layers if layer.is_initialized)]
 
 
 USER_OPERATIONS = (
@@ -334,3 +340,70 @@ def test_asyncio_tasks_serving_through_threads_give_the_results_of_running_alone
     _assert_equal(replies, alone, "a user served by a task differs from its run alone")
     assert torch.equal(streamed, streamed_alone)
     assert text == tokenizer.decode(streamed[0, prompt.shape[1] :], skip_special_tokens=True)
+
+
+GATE_CONTEXTS = {
+    "adapter disabled": lambda model: model.adapter_disabled(),
+    "lora at one token": lambda model: model.lora_at(torch.ones(1, 1, dtype=torch.bool)),
+    "lora at two tokens": lambda model: model.lora_at(torch.tensor([[True, False]])),
+}
+CACHE_CALLS = {
+    "compress": lambda model, cache: model.compress(cache, torch.tensor([[30, 31, 32]])),
+    "generate": lambda model, cache: model.generate(
+        torch.tensor([[40, 41]]), past_key_values=cache, max_new_tokens=3, do_sample=False
+    ),
+    "forward": lambda model, cache: model(input_ids=torch.tensor([[40, 41]]), past_key_values=cache).logits,
+}
+
+
+@functools.cache
+def _gate_model(conditional: bool) -> CCMForCausalLM:
+    return tiny_ccm("llama") if conditional else tiny_full_context_baseline(seed=1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    context=st.sampled_from(sorted(GATE_CONTEXTS)),
+    call=st.sampled_from(sorted(CACHE_CALLS)),
+    entered_in=st.sampled_from(["this thread", "the task that created the calling task"]),
+    conditional=st.booleans(),
+)
+def test_a_call_does_not_take_the_gate_context_of_its_caller(context, call, entered_in, conditional):
+    """A call on a cache ran under the caller's gate contexts: inside `lora_at(mask)` generate() and model(...) put the
+    LoRA on their ordinary tokens (wherever the caller's mask broadcast, else failing on its shape), and inside
+    `adapter_disabled()` compress() made a memory of the base model under the adapter's signature; asyncio copies the
+    contexts into the tasks created inside them. A call now acts as outside them, or is refused where the adapter
+    would not act (the cache left as it was)."""
+    model = _gate_model(conditional)
+
+    def prepared() -> CompressedMemoryCache:
+        cache = model.new_cache()
+        model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+        return cache
+
+    alone = prepared()
+    expected = CACHE_CALLS[call](model, alone)
+    cache = prepared()
+    before = _content(cache)
+
+    async def caller() -> object:
+        async def call_in_task() -> object:
+            return CACHE_CALLS[call](model, cache)
+
+        with GATE_CONTEXTS[context](model):
+            task = asyncio.create_task(call_in_task())
+        return await task
+
+    refused = context == "adapter disabled" and (call == "compress" or not conditional)
+    refusal = pytest.raises(ValueError, match=r"inside model.adapter_disabled\(\).*outside")
+    with refusal if refused else contextlib.nullcontext():
+        if entered_in == "this thread":
+            with GATE_CONTEXTS[context](model):
+                got = CACHE_CALLS[call](model, cache)
+        else:
+            got = asyncio.run(caller())
+    if refused:
+        _assert_equal(_content(cache), before, "the refused call changed the cache")
+        return
+    _assert_equal(got, expected, f"{call} inside {context} differs")
+    _assert_equal(_content(cache), _content(alone), "cache")

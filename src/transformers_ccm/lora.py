@@ -183,9 +183,16 @@ class LoRAGate:
 
     @staticmethod
     def scope() -> AbstractContextManager[None]:
-        """A call's scope: whatever its layers' hooks left behind (an interrupt skips their clean-up) is undone
-        when it ends."""
-        return _gate_state()
+        """A call's scope: the LoRA acts only where the call itself asks (nowhere while `suppressed`), not at a mask
+        the caller made current with `active`, which numbers the caller's own tokens (the call's tokens took the
+        LoRA wherever it broadcast, or failed on its shape); whatever the call's layers' hooks left behind (an
+        interrupt skips their clean-up) is undone when it ends."""
+        return _call_state()
+
+    @staticmethod
+    def is_suppressed() -> bool:
+        """Whether `suppressed` holds in this thread or task (or in the one that created this task)."""
+        return _GATE.get().suppressed
 
     @staticmethod
     def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -207,6 +214,13 @@ def _restored(state: _GateState) -> Iterator[None]:
         yield
     finally:
         _GATE.reset(token)
+
+
+@contextmanager
+def _call_state() -> Iterator[None]:
+    # Read where the context is entered, as in `_gate_state`.
+    with _restored(_GateState(suppressed=_GATE.get().suppressed)):
+        yield
 
 
 @contextmanager

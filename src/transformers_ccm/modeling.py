@@ -240,7 +240,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def lora_at(self, comp_mask: torch.Tensor) -> AbstractContextManager[None]:
         """Within the context, in this thread or task, the LoRA acts at the `<COMP>` positions of `comp_mask`
-        `(batch, seq)` only (everywhere when `conditional_lora=False`)."""
+        `(batch, seq)` only (everywhere when `conditional_lora=False`) in calls of `base_model`; a call on a cache
+        decides that itself."""
         return self._gate.active(comp_mask)
 
     def activation_checkpointing_enable(
@@ -271,7 +272,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self.base_model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
     def adapter_disabled(self) -> AbstractContextManager[None]:
-        """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere)."""
+        """Within the context, in this thread or task, the model is exactly its base model (no LoRA anywhere); a call
+        on a cache in which the adapter would act (`compress`, say) is refused."""
         return self._gate.suppressed()
 
     def reading_plain_prompt(self) -> AbstractContextManager[None]:
@@ -416,6 +418,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
         state = self._check_cache(cache, "compress()")
+        self._check_adapter_acts(cache, "compress()", compresses=True)
         cache.check_compressible()
         context, context_mask = self._context(cache, context_ids, attention_mask)
         pending_mask = cache.pending_mask.to(context_mask.device)
@@ -494,6 +497,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
         state = self._check_cache(cache, "generate()")
+        self._check_adapter_acts(cache, "generate()")
         self._check_tokens(input_ids, "input_ids", cache)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -578,6 +582,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     ) -> CausalLMOutputWithPast:
         """New tokens of the turn (or of a stream, in pieces the window can take): logits `(batch, len, vocab)`."""
         state = self._check_cache(cache, "model(...)")
+        self._check_adapter_acts(cache, "model(...)")
         name = "input_ids" if input_ids is not None else "inputs_embeds"
         tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
         if tokens is None:
@@ -795,6 +800,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache.check_signature(self._signature(state))
         cache.check_device(self.device)
         return state
+
+    def _check_adapter_acts(self, cache: CompressedMemoryCache, call: str, compresses: bool = False) -> None:
+        """Raise inside `adapter_disabled()` if the LoRA acts in `call` on `cache`: when it `compresses` (its `<COMP>`
+        run), and in every call of an adapter without conditional LoRA or on a stream that compresses by itself. The
+        cache would hold the base model's keys/values under the adapter's signature, and a task created inside the
+        context (asyncio copies it) made such a memory long after the context was left where it was entered."""
+        streaming = cache.streaming
+        acts = compresses or not self.config.conditional_lora or (streaming is not None and streaming.compress)
+        if acts and LoRAGate.is_suppressed():
+            raise ValueError(
+                f"{call} ran inside model.adapter_disabled() (entered in this thread or task, or in the task that "
+                "created this one), where the adapter does not act: the cache would hold the base model's keys/values "
+                "under the adapter's signature. Make the call outside that context."
+            )
 
     def _check_tokens(self, tokens: torch.Tensor, name: str, cache: CompressedMemoryCache) -> None:
         """Raise unless `tokens` (`name`: "input_ids" or "inputs_embeds") are `(batch, len)` token ids of this
