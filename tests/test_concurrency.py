@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
-from tiny_models import randomize_adapter, tiny_ccm, tiny_full_context_baseline, tiny_llama_for
+from tiny_models import randomize_adapter, tiny_ccm, tiny_full_context_baseline, tiny_llama_for, tiny_longrope_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.streaming import StreamingConfig
 
 Result = list[object]
 
@@ -407,3 +408,25 @@ def test_a_call_does_not_take_the_gate_context_of_its_caller(context, call, ente
         return
     _assert_equal(got, expected, f"{call} inside {context} differs")
     _assert_equal(_content(cache), _content(alone), "cache")
+
+
+def test_a_stream_moves_its_keys_alike_whatever_other_users_ran_between_its_calls():
+    """LongRoPE sets the rotary frequencies in place at each forward, by its last position; a cache's rotation read
+    them there, so a stream moved its keys by the frequencies of the last forward of any user: another user's history
+    past the original context changed the stream's logits."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig()))
+    streaming = StreamingConfig(window_tokens=12, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+
+    def stream(beside_long_history: bool) -> list[torch.Tensor]:
+        cache, other = model.new_cache(streaming=streaming), model.new_cache()
+        model.compress(other, torch.randint(3, 90, (1, 70)))
+        generator = torch.Generator().manual_seed(0)
+        logits = []
+        with torch.no_grad():
+            for _ in range(6):
+                if beside_long_history:
+                    model(input_ids=torch.tensor([[5, 6]]), past_key_values=other)
+                logits.append(model(input_ids=torch.randint(3, 90, (1, 5), generator=generator), past_key_values=cache))
+        return [output.logits for output in logits]
+
+    _assert_equal(stream(beside_long_history=True), stream(beside_long_history=False), "the stream's logits")

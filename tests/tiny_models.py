@@ -80,6 +80,22 @@ def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
 
 
+def tiny_longrope_base(seed: int = 0) -> PreTrainedModel:
+    """A tiny random Phi-3 with LongRoPE (as Phi-3.5-mini): its rotary frequencies are scaled, in place, at each
+    forward that reaches past position 64."""
+    torch.manual_seed(seed)
+    half = 32 // 4 // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * half,
+        "long_factor": [4.0] * half,
+        "original_max_position_embeddings": 64,
+    }
+    config = Phi3Config(**_COMMON, original_max_position_embeddings=64, rope_parameters=rope)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
 def tiny_llama_for(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
     """A tiny random Llama with `tokenizer`'s vocabulary and special tokens, for tests that need real text."""
     torch.manual_seed(seed)

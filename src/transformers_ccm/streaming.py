@@ -112,7 +112,8 @@ class KeyRotation:
     """
 
     def __init__(self, inverse_frequencies: list[torch.Tensor]) -> None:
-        self.inverse_frequencies = [frequencies.float() for frequencies in inverse_frequencies]
+        # Copies: the model's buffer may change in place (`of_model`), and a rotation must not change with it.
+        self.inverse_frequencies = [frequencies.detach().float().clone() for frequencies in inverse_frequencies]
 
     @staticmethod
     def module_name(model: PreTrainedModel) -> str | None:
@@ -122,15 +123,21 @@ class KeyRotation:
 
     @classmethod
     def of_model(cls, model: PreTrainedModel, module_name: str) -> KeyRotation:
-        """Read the frequencies every layer uses now from the model's rotary embedding module `module_name`
-        (`KeyRotation.module_name(model)`)."""
+        """Read the frequencies every layer uses at the positions of the model's original context from its rotary
+        embedding module `module_name` (`KeyRotation.module_name(model)`), as they are now (in the model's dtype).
+
+        Dynamic variants (dynamic NTK, LongRoPE) set their `inv_freq` at every forward, in place, by the last
+        position of that forward: read there, a cache's rotation changed with the forward of any other user's cache,
+        and moved a stream's keys by the frequencies of a history far longer than its own. Their
+        `original_inv_freq`, those of positions within the original context, never changes."""
         rotary = model.get_submodule(module_name)
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         frequencies = []
         for layer_type in layer_types[: config.num_hidden_layers]:
-            per_type = getattr(rotary, f"{layer_type}_inv_freq", None) if layer_type else None
-            frequencies.append(per_type if per_type is not None else rotary.inv_freq)
+            prefix = f"{layer_type}_" if layer_type and hasattr(rotary, f"{layer_type}_inv_freq") else ""
+            current = getattr(rotary, f"{prefix}inv_freq")
+            frequencies.append(getattr(rotary, f"{prefix}original_inv_freq", current))
         return cls(frequencies)
 
     def shift(self, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
