@@ -430,3 +430,41 @@ def test_a_stream_moves_its_keys_alike_whatever_other_users_ran_between_its_call
         return [output.logits for output in logits]
 
     _assert_equal(stream(beside_long_history=True), stream(beside_long_history=False), "the stream's logits")
+
+
+def test_a_short_history_rotates_alike_beside_a_thread_serving_one_past_the_original_context():
+    """LongRoPE sets the rotary frequencies shared by every call of the model at each forward, then computes with them:
+    a thread serving a history past the original context set its long factors between another thread's setting and
+    use of the short ones, and that user's logits changed."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig()))
+
+    def short_history() -> list[torch.Tensor]:
+        cache, generator = model.new_cache(), torch.Generator().manual_seed(1)
+        logits = []
+        with torch.no_grad():
+            for _ in range(8):  # 8 x 7 tokens: within the original 64 positions
+                model.compress(cache, torch.randint(3, 90, (1, 4), generator=generator))
+                logits.append(model(input_ids=torch.randint(3, 90, (1, 3), generator=generator), past_key_values=cache))
+        return [output.logits for output in logits]
+
+    alone = short_history()
+    done = threading.Event()
+
+    def long_history() -> None:
+        cache = model.new_cache()
+        model.compress(cache, torch.randint(3, 90, (1, 70)))
+        while not done.is_set():
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[5, 6]]), past_key_values=cache)
+            model.compress(cache)
+
+    with _frequent_thread_switches():
+        for _ in range(40):
+            done.clear()
+            beside = threading.Thread(target=long_history)
+            beside.start()
+            try:
+                _assert_equal(short_history(), alone, "the short history's logits")
+            finally:
+                done.set()
+                beside.join()

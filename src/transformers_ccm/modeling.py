@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
@@ -129,6 +130,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
+        # The classes `_release_base` gives back to the rotary modules that `_one_at_a_time` replaced.
+        self._rotary_classes = [(module, type(module)) for module in _frequency_setting_rotaries(base_model)]
+        for module, rotary_class in self._rotary_classes:
+            module.__class__ = _one_at_a_time(rotary_class)
 
     @classmethod
     def from_base(
@@ -229,6 +234,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         requires_grad, attention = self._base_before
         self._gate.remove()
         self._online_hook.remove()
+        for module, rotary_class in self._rotary_classes:
+            module.__class__ = rotary_class
         for name, module in list(self.base_model.named_modules()):
             if isinstance(module, LoraLayer):
                 parent, _, child = name.rpartition(".")
@@ -915,6 +922,37 @@ def _use_ccm_attention(model: PreTrainedModel) -> None:
         wrapped = "sdpa" if model._supports_sdpa else "eager"
         logger.warning("CCM needs arbitrary attention masks; switching %r to %r.", current, wrapped)
     model.set_attn_implementation(ccm_attention_name(wrapped))
+
+
+def _frequency_setting_rotaries(model: PreTrainedModel) -> list[nn.Module]:
+    """The rotary embedding modules whose forward sets their frequencies in place, by the last position of the
+    forward (transformers' dynamic NTK and LongRoPE)."""
+    found = []
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+        dynamic = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
+        if dynamic and type(module).__name__.endswith("RotaryEmbedding"):
+            found.append(module)
+    return found
+
+
+# Held while a rotary module of `_frequency_setting_rotaries` sets its frequencies and computes with them.
+_ROTARY_FORWARDS = threading.Lock()
+
+
+@functools.cache
+def _one_at_a_time(rotary_class: type[nn.Module]) -> type[nn.Module]:
+    """`rotary_class` with a forward that runs in one thread at a time: it sets the module's frequencies (shared by
+    every call on the model) and then computes with them, and another thread's forward setting others in between made
+    one user's call rotate with the frequencies of another's history (LongRoPE: long factors for a short history)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with _ROTARY_FORWARDS:
+            return rotary_class.forward(self, *args, **kwargs)
+
+    namespace = {"forward": forward, "__module__": rotary_class.__module__, "__qualname__": rotary_class.__qualname__}
+    return type(rotary_class.__name__, (rotary_class,), namespace)
 
 
 def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> torch.Tensor:
