@@ -18,7 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
-from tiny_models import randomize_adapter, tiny_ccm, tiny_full_context_baseline, tiny_llama_for, tiny_longrope_base
+from tiny_models import (
+    InjectedFailure,
+    randomize_adapter,
+    tiny_ccm,
+    tiny_full_context_baseline,
+    tiny_llama_for,
+    tiny_longrope_base,
+)
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
@@ -468,3 +475,40 @@ def test_a_short_history_rotates_alike_beside_a_thread_serving_one_past_the_orig
             finally:
                 done.set()
                 beside.join()
+
+
+@pytest.mark.parametrize("first_fails", [True, False])
+def test_a_task_using_the_cache_inside_another_tasks_transaction_is_refused(first_fails):
+    """A cache was held by a thread, and asyncio tasks share one: a task's calls on a cache while another task was
+    suspended inside its `transaction` passed as nested in it. A failure of the first task then restored the cache
+    over the second's calls, which had returned without an error, and left the cache claimed for ever (every other
+    thread refused). The second task is now refused, and the cache is free once the first ends."""
+    model = tiny_ccm("llama")
+    cache, alone = model.new_cache(), model.new_cache()
+    if not first_fails:
+        model.compress(alone, torch.tensor([[5, 6, 7]]))
+    inside = asyncio.Event()
+
+    async def first() -> None:
+        with cache.transaction():
+            model.compress(cache, torch.tensor([[5, 6, 7]]))
+            inside.set()
+            await asyncio.sleep(0)  # the second task runs while this one is inside its transaction
+            if first_fails:
+                raise InjectedFailure("the first task failed")
+
+    async def second() -> None:
+        await inside.wait()
+        model.compress(cache, torch.tensor([[8, 9]]))
+
+    async def both() -> list[object]:
+        return await asyncio.gather(first(), second(), return_exceptions=True)
+
+    failed, refused = asyncio.run(both())
+    assert isinstance(failed, InjectedFailure) if first_fails else failed is None
+    assert isinstance(refused, ValueError) and "in use by a call in another thread (or asyncio task)" in str(refused)
+    _assert_equal(_content(cache), _content(alone), "the cache after both tasks")
+    beside = threading.Thread(target=model.compress, args=(cache, torch.tensor([[8, 9]])))
+    beside.start()
+    beside.join()
+    assert int(cache.steps[0]) == (1 if first_fails else 2)  # the other thread's call ran

@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -47,6 +48,9 @@ MEMORY_FORMAT_VERSION = "2"
 _LEGACY_FORMAT_VERSIONS = ("1",)
 # Taken to claim a cache for a call (see `CompressedMemoryCache.transaction`): a check and a claim, never a model run.
 _CLAIMS = threading.Lock()
+# Who holds the caches that the current thread or asyncio task has claimed (None: it holds none): set by its outermost
+# claim, so that the calls nested in it, and only those, share its claims (asyncio tasks share a thread).
+_CLAIMANT: ContextVar[object | None] = ContextVar("ccm_cache_claimant", default=None)
 
 
 # ----- what a model tells its caches -------------------------------------------------------------------------
@@ -347,8 +351,9 @@ class CompressedMemoryCache(Cache):
         self.turn_tokens = 0
         # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
         self.compressed_in_window = 0
-        # The thread running calls on this cache and how deeply they nest (None: free); see `transaction`.
-        self._user: tuple[int, int] | None = None
+        # The thread and claimant (`_CLAIMANT`) running calls on this cache and how deeply they nest (None: free); see
+        # `transaction`.
+        self._user: tuple[int, object, int] | None = None
         # The model call running on this cache (None: none); see `running`.
         self._call: str | None = None
 
@@ -460,9 +465,9 @@ class CompressedMemoryCache(Cache):
         """Within the context, any exception (an interrupt included) restores the cache exactly as it was.
 
         Cheap: the cache replaces tensors instead of changing them, so keeping references suffices. The calling
-        thread holds the cache until the context ends (transactions nest within it); another thread that tries to
-        use it meanwhile gets a `ValueError` instead of interleaving its changes (or a failure's restore) with
-        these.
+        thread or asyncio task holds the cache until the context ends (transactions nest within it, across its
+        `await`s); another thread or task that tries to use it meanwhile gets a `ValueError` instead of interleaving
+        its changes (or a failure's restore) with these.
         """
         with self._claimed():
             states = [self.__dict__, *(layer.__dict__ for layer in self.layers)]
@@ -495,34 +500,50 @@ class CompressedMemoryCache(Cache):
 
     @contextmanager
     def _claimed(self) -> Iterator[None]:
-        """Hold the cache for the calling thread within the context (nested claims by that thread are fine)."""
-        me = threading.get_ident()
-        with _CLAIMS:
-            self.check_free()
-            depth = self._user[1] if self._user is not None else 0
-            self._user = me, depth + 1
+        """Hold the cache for the calling thread or asyncio task within the context (nested claims by it are fine).
+
+        Not held by the thread alone: asyncio tasks share their thread, and a task's claim taken while another task
+        was suspended inside its `transaction` (at an `await`) passed as nested in it. A failure of the first task
+        then restored the cache over the second's calls, which had returned without an error, and left the cache
+        claimed for ever."""
+        claimant = _CLAIMANT.get()
+        outermost = _CLAIMANT.set(object()) if claimant is None else None
         try:
-            yield
-        finally:
+            me = threading.get_ident(), _CLAIMANT.get()
             with _CLAIMS:
-                self._user = (me, depth) if depth else None
+                self.check_free()
+                depth = self._user[2] if self._user is not None else 0
+                self._user = *me, depth + 1
+            try:
+                yield
+            finally:
+                with _CLAIMS:
+                    self._user = (*me, depth) if depth else None
+        finally:
+            if outermost is not None:
+                _CLAIMANT.reset(outermost)
+
+    def _claimed_here(self) -> bool:
+        """Whether the calling thread or task holds the cache (`_claimed`)."""
+        user = self._user
+        return user is not None and user[0] == threading.get_ident() and user[1] is _CLAIMANT.get()
 
     def check_no_call(self, call: str) -> None:
-        """Raise if a model call runs on this cache in the calling thread, which `call` would be made from inside."""
-        running, user = self._call, self._user
-        if running is not None and user is not None and user[0] == threading.get_ident():
+        """Raise if a model call runs on this cache in the calling thread or task, which `call` would be made from
+        inside."""
+        running = self._call
+        if running is not None and self._claimed_here():
             raise ValueError(
                 f"{call} was called on a CompressedMemoryCache that its own running {running} is using (from a "
                 f"streamer or stopping criterion, say); make the call after {running} returns."
             )
 
     def check_free(self) -> None:
-        """Raise if another thread is running a call on this cache (a cache is one user's state)."""
-        user = self._user
-        if user is not None and user[0] != threading.get_ident():
+        """Raise if another thread or asyncio task is running a call on this cache (a cache is one user's state)."""
+        if self._user is not None and not self._claimed_here():
             raise ValueError(
-                "This CompressedMemoryCache is in use by a call in another thread. A cache holds one user's memory: "
-                "give each thread (or user) its own cache, or hold a lock per cache around its calls."
+                "This CompressedMemoryCache is in use by a call in another thread (or asyncio task). A cache holds one "
+                "user's memory: give each thread (or user) its own cache, or hold a lock per cache around its calls."
             )
 
     # ----- the online forward ------------------------------------------------------------------------------------
