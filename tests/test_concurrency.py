@@ -10,6 +10,7 @@ import hashlib
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import (
     InjectedFailure,
@@ -512,3 +514,37 @@ def test_a_task_using_the_cache_inside_another_tasks_transaction_is_refused(firs
     beside.start()
     beside.join()
     assert int(cache.steps[0]) == (1 if first_fails else 2)  # the other thread's call ran
+
+
+class _LockstepStreamer(BaseStreamer):
+    """Waits at `barrier` at every token: each thread's generate() goes on only when the other's reached its token."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier = barrier
+
+    def put(self, value: torch.Tensor) -> None:
+        self.barrier.wait(timeout=120)  # a deadlock fails the test instead of hanging it
+
+    def end(self) -> None:
+        self.barrier.wait(timeout=120)
+
+
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_streamers_of_two_threads_waiting_for_each_other_do_not_deadlock(rope):
+    """No lock is held while generate() calls a streamer (nor a rotary module's, which LongRoPE models take at each
+    forward): two threads whose streamers wait for each other's tokens both finish, with the replies they give alone."""
+    model = tiny_ccm("llama") if rope == "default" else CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig())
+    prompts = [torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9, 10]])]
+    options = {"max_new_tokens": 4, "do_sample": False, "min_new_tokens": 4}
+    alone = [model.generate(prompt, past_key_values=model.new_cache(), **options) for prompt in prompts]
+    barrier = threading.Barrier(2)
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(
+            pool.map(
+                lambda prompt: model.generate(
+                    prompt, past_key_values=model.new_cache(), streamer=_LockstepStreamer(barrier), **options
+                ),
+                prompts,
+            )
+        )
+    _assert_equal(replies, alone, "the replies")
