@@ -92,17 +92,20 @@ _BESIDE_ATTENTION = {
 }
 
 
+@pytest.mark.parametrize("enable", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
 @pytest.mark.parametrize("architecture", ["llama", "gpt-neox"])
-def test_lora_beside_attention_acts_the_same_in_checkpointed_layers(architecture):
+def test_lora_beside_attention_acts_the_same_in_checkpointed_layers(architecture, enable):
     """A LoRA on the MLP gets the `<COMP>` mask from the call's state, not from a forward argument: recomputed
-    during backward under activation checkpointing, it must act exactly as in the forward."""
+    during backward under activation checkpointing, it must act exactly as in the forward, whichever of
+    transformers' names (PEFT's helpers call the former one) turned it on."""
     config = CCMConfig(target_modules=_BESIDE_ATTENTION[architecture], lora_dropout=0.0)
     batch = None
     runs = []
     for checkpointing in (False, True):
         model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), config)).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            getattr(model, enable)()
+            assert model.is_activation_checkpointing
         batch = batch or CCMDataCollator(model)([OnlineSample([[5, 6, 7], [8, 9]], [10, 11], [12, 13])] * 2)
         loss = model(**batch).loss
         loss.backward()

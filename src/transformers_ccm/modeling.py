@@ -856,6 +856,66 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "this model's tokenizer."
             )
 
+    # ----- what a transformers or PEFT user calls on a model ------------------------------------------------------
+    main_input_name = "input_ids"
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """True: `generate()` works (`transformers.pipeline("text-generation", ...)` asks before it runs)."""
+        return True
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The base model's token embedding (the `<COMP>` embeddings are `comp_embeddings`, outside the vocabulary)."""
+        return self.base_model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The base model's LM head."""
+        return self.base_model.get_output_embeddings()
+
+    def tie_weights(self) -> None:
+        """Tie the base model's LM head to its input embedding where its config asks for it, as transformers does."""
+        self.base_model.tie_weights()
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the adapter records the vocabulary of the base it was made for, and the new (frozen) rows would
+        be saved nowhere. Resize the base model before wrapping it."""
+        raise ValueError(
+            "A CCMForCausalLM cannot resize its token embeddings: its adapter and memories belong to a base model of "
+            f"{self.vocabulary_size} tokens, and the new rows would not be saved with the adapter. Resize the base "
+            "model before wrapping it (base.resize_token_embeddings(n), then CCMForCausalLM.from_base(base, config)); "
+            "the <COMP> tokens need no vocabulary entry (they are comp_embeddings)."
+        )
+
+    def activation_checkpointing_disable(self) -> None:
+        """Keep every decoder layer's activations again (undoes `activation_checkpointing_enable`)."""
+        self.base_model.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """Whether any decoder layer recomputes its activations during backward."""
+        return self.base_model.is_activation_checkpointing
+
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """transformers' former name of `activation_checkpointing_enable` (PEFT's helpers still call it)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        """transformers' former name of `activation_checkpointing_disable`."""
+        self.activation_checkpointing_disable()
+
+    def enable_input_require_grads(self) -> None:
+        """Make the token embeddings' output require grad (PEFT's recipe for checkpointing a frozen base)."""
+        self.base_model.enable_input_require_grads()
+
+    def disable_input_require_grads(self) -> None:
+        self.base_model.disable_input_require_grads()
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """`(trainable, all)` parameter counts, as PEFT's `PeftModel` gives them."""
+        return self.num_parameters(only_trainable=True), self.num_parameters()
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters of the base model, its LoRA and the `<COMP>` embeddings (as `PreTrainedModel` counts)."""
         counted = not exclude_embeddings and (self.comp_embeddings.requires_grad or not only_trainable)
@@ -865,7 +925,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
 
     def print_trainable_parameters(self) -> None:
-        trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()
+        trainable, total = self.get_nb_trainable_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
 
 

@@ -1,0 +1,62 @@
+"""What a transformers or PEFT user calls on a model works on a `CCMForCausalLM`, or is refused with a clear error."""
+
+import pytest
+import torch
+from transformers import pipeline
+
+from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm.embedded import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+def test_a_text_generation_pipeline_generates_as_the_model_does(tokenizer):
+    """`pipeline` asks `can_generate()` before anything runs; it then decodes without memory (a fresh cache)."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig()))
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    text = generator("Hello there", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+    prompt = tokenizer("Hello there", return_tensors="pt")
+    expected = model.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_members_of_a_pretrained_model_reach_the_base_model():
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    assert model.main_input_name == "input_ids" and model.can_generate()
+    assert model.get_input_embeddings() is model.base_model.model.embed_tokens
+    assert model.get_output_embeddings() is model.base_model.lm_head
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model.get_nb_trainable_parameters() == (trainable, sum(p.numel() for p in model.parameters()))
+    model.enable_input_require_grads()
+    assert model.get_input_embeddings()(torch.tensor([[5, 6]])).requires_grad
+    model.disable_input_require_grads()
+    assert not model.get_input_embeddings()(torch.tensor([[5, 6]])).requires_grad
+    signature = model.memory_signature()
+    model.tie_weights()
+    assert model.memory_signature() == signature
+
+
+@pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])
+def test_activation_checkpointing_turns_off_again(name):
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    getattr(model, f"{name}_enable")()
+    assert model.is_activation_checkpointing
+    getattr(model, f"{name}_disable")()
+    assert not model.is_activation_checkpointing
+    assert not any(layer.gradient_checkpointing for layer in model.base_model.model.layers)
+
+
+def test_resizing_the_token_embeddings_is_refused_and_leaves_the_model_and_its_memories_as_they_were():
+    """The adapter records its base's vocabulary, and new rows would be saved nowhere: resize before wrapping."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    signature = model.memory_signature()
+    with pytest.raises(ValueError, match=r"Resize the base model before wrapping it"):
+        model.resize_token_embeddings(120)
+    assert model.vocabulary_size == 97 and model.memory_signature() == signature
+    model.generate(torch.tensor([[8, 9]]), past_key_values=cache, max_new_tokens=2)
