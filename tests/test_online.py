@@ -132,6 +132,51 @@ def test_the_cache_argument_under_either_name(architecture):
     assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, cache_a.layers, strict=True))
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(tokens, min_size=1, max_size=2),
+    beams=st.sampled_from([1, 3]),
+    stream=st.booleans(),
+    with_ids=st.booleans(),
+)
+def test_generate_from_inputs_embeds_equals_generate_from_input_ids(prompts, beams, stream, with_ids):
+    """transformers' `generate(inputs_embeds=...)` of a decoder-only model: the same tokens (without the prompt's,
+    unless its input_ids are given too) and the same turn in the cache as from the prompt's ids."""
+    model = tiny_ccm("llama")
+    if stream:  # a stream's rows are of one length
+        prompts = [prompt[: min(map(len, prompts))] for prompt in prompts]
+    ids, mask = pad(prompts, "left")
+    runs = []
+    for embedded in (False, True):
+        cache = model.new_cache(len(prompts), streaming=StreamingConfig(8, 2, 4, 4) if stream else None)
+        if not stream:
+            model.compress(cache, torch.tensor([[5, 6, 7]] * len(prompts)))
+        prompt = {"inputs_embeds": model.get_input_embeddings()(ids)} if embedded else {}
+        if not embedded or with_ids:
+            prompt["input_ids"] = ids
+        sequences = model.generate(
+            **prompt, attention_mask=mask, cache=cache, max_new_tokens=4, num_beams=beams, do_sample=False
+        )
+        if not stream:
+            model.compress(cache)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([[8, 9]] * len(prompts)), cache=cache).logits
+        runs.append((sequences, logits))
+    (from_ids, logits), (from_embeds, embeds_logits) = runs
+    assert torch.equal(from_embeds, from_ids if with_ids else from_ids[:, ids.shape[1] :])
+    torch.testing.assert_close(embeds_logits, logits, rtol=0, atol=1e-6)
+
+
+def test_generate_refuses_inputs_embeds_of_another_length_than_its_input_ids():
+    model = tiny_ccm("llama")
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    embeds = model.get_input_embeddings()(torch.tensor([[8, 9, 10]]))
+    with pytest.raises(ValueError, match="input_ids has 2 tokens but inputs_embeds 3"):
+        model.generate(torch.tensor([[8, 9]]), inputs_embeds=embeds, cache=cache, max_new_tokens=2)
+    assert not cache.has_unfolded_turn and cache.memory_length == model.config.num_comp_tokens
+
+
 class TokenCounter:
     """Counts the token positions the model's first decoder layer processes."""
 

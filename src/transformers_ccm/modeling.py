@@ -485,12 +485,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: CompressedMemoryCache | None = None,
         **kwargs: Any,
     ) -> Any:
         """transformers' `generate()` on `I(t)`, attending to the memory in `past_key_values` (or `cache`).
+
+        The prompt is `input_ids` `(batch, len)` or, as in transformers, `inputs_embeds` `(batch, len, hidden)`
+        (the output then holds the generated tokens only, unless the prompt's `input_ids` are given too).
 
         Every generation mode and argument of transformers works (greedy, sampling, beam search, streamers,
         stopping criteria); it always decodes with the cache, which holds the memory (`use_cache=False` is
@@ -499,18 +502,30 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         fails, the cache is left as it was.
         """
         given = _given_cache(past_key_values, kwargs)
-        _check_tensor(input_ids, "input_ids")
-        cache = given if given is not None else self.new_cache(input_ids.shape[0])
+        embeds = kwargs.pop("inputs_embeds", None)
+        name, prompt = ("input_ids", input_ids) if embeds is None else ("inputs_embeds", embeds)
+        _check_tensor(prompt, name)
+        cache = given if given is not None else self.new_cache(prompt.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
         state = self._check_cache(cache, "generate()")
         self._check_adapter_acts(cache, "generate()")
-        self._check_tokens(input_ids, "input_ids", cache)
+        self._check_tokens(prompt, name, cache)
+        if embeds is not None and input_ids is not None:  # transformers returns input_ids as the prompt's tokens
+            self._check_tokens(input_ids, "input_ids", cache)
+            if input_ids.shape[1] != embeds.shape[1]:
+                raise ValueError(
+                    f"input_ids has {input_ids.shape[1]} tokens but inputs_embeds {embeds.shape[1]}; give the ids of "
+                    "the embedded prompt, or inputs_embeds alone."
+                )
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
         else:
             attention_mask = _checked_mask(
-                attention_mask, input_ids, "input_ids", "prompt token (the memory needs none)"
+                attention_mask,
+                prompt[..., 0] if embeds is not None else prompt,
+                name,
+                "prompt token (the memory needs none)",
             )
         settings = self._generation_settings(kwargs)
         if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
@@ -544,25 +559,30 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 run_cache.batch_repeat_interleave(expand)
             # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
             run_cache.begin_generation()
+            prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
             output = self.base_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT: run_cache}, **kwargs
+                **{key: value for key, value in prompts.items() if value is not None},
+                attention_mask=attention_mask,
+                **{CACHE_ARGUMENT: run_cache},
+                **kwargs,
             )
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             if num_sequences > 1:
                 return output
-            generated = sequences[:, input_ids.shape[1] :]
+            # transformers returns the prompt's ids, if it was given them, before the generated ones
+            generated = sequences[:, 0 if input_ids is None else input_ids.shape[1] :]
             if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
                 if expand > 1:  # it takes the returned sequence now: its count starts with it, as a greedy call's
                     cache.begin_generation()
                 self.base_model(
-                    input_ids=sequences if expand > 1 else generated[:, -1:],
+                    **(self._followed_by(name, prompt, generated) if expand > 1 else {"input_ids": generated[:, -1:]}),
                     logits_to_keep=1,
                     **{CACHE_ARGUMENT: cache},
                 )
                 return output
             if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
                 self.base_model(
-                    input_ids=torch.cat([input_ids, generated[:, :-1]], dim=1),
+                    **self._followed_by(name, prompt, generated[:, :-1]),
                     attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
                     logits_to_keep=1,
                     **{CACHE_ARGUMENT: cache},
@@ -572,6 +592,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos), settings.pad_token_id
             )
         return output
+
+    def _followed_by(self, name: str, prompt: torch.Tensor, generated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward argument for `prompt` (`name`: `(batch, len)` input_ids or `(batch, len, hidden)`
+        inputs_embeds) followed by the `generated` ids `(batch, new)`, embedded if the prompt was."""
+        if name == "input_ids":
+            return {name: torch.cat([prompt, generated], dim=1)}
+        return {name: torch.cat([prompt, self.get_input_embeddings()(generated)], dim=1)}
 
     def _generation_settings(self, kwargs: dict[str, Any]) -> GenerationConfig:
         """The settings `generate()` will run with: the `generation_config` given (else the base model's), what it
