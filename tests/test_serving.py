@@ -16,7 +16,14 @@ from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
+from transformers_ccm import (
+    CCMConfig,
+    CCMDataCollator,
+    CCMForCausalLM,
+    CompressedMemoryCache,
+    OnlineSample,
+    StreamingConfig,
+)
 from transformers_ccm.lora import lora_layers
 
 CONTEXTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -462,6 +469,55 @@ def test_injected_failure_leaves_saved_cache_bytes_unchanged(tmp_path, call, upd
         CALLS[call](model, cache)  # and the cache still works
 
 
+def non_finite_keys(model: CCMForCausalLM, tokens: int | None = None) -> torch.utils.hooks.RemovableHandle:
+    """Make the first layer's key projection give NaN (as a float16 overflow would), in every forward or only in
+    those of `tokens` tokens (a stream's `<COMP>` run)."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
+        return output * torch.nan if tokens is None or output.shape[1] == tokens else None
+
+    return model.base_model.model.layers[0].self_attn.k_proj.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+def test_a_compression_that_gives_non_finite_keys_is_refused_and_leaves_the_cache_as_it_was(tmp_path, update):
+    """A NaN in the `<COMP>` keys/values was stored in memory, where every later turn attended to it (and a saved
+    memory carried it): the compression is refused, and the turn can be folded once the model is sound again."""
+    model = tiny_ccm("llama", update=update)
+    cache, reference = _filled(model), _filled(model)
+    for each in (cache, reference):
+        model.generate(torch.tensor([[20, 21], [22, 23]]), past_key_values=each, max_new_tokens=3, do_sample=False)
+    before = copy.deepcopy(cache)
+    handle = non_finite_keys(model)
+    try:
+        with pytest.raises(ValueError, match=r"compression gave keys/values that are not finite"):
+            model.compress(cache, torch.tensor([[11, 12], [13, 14]]))
+    finally:
+        handle.remove()
+    assert cache.has_unfolded_turn
+    for each in (cache, before, reference):
+        model.compress(each, torch.tensor([[11, 12], [13, 14]]))
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == _saved_bytes(before, tmp_path / "before.safetensors")
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == _saved_bytes(reference, tmp_path / "ref.safetensors")
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_a_stream_compression_that_gives_non_finite_keys_is_refused_and_leaves_the_stream_as_it_was(tmp_path, update):
+    model = tiny_ccm("llama", update=update)
+    config = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
+    cache = model.new_cache(2, streaming=config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, VOCAB, (2, 9)), past_key_values=cache)  # sink and a full window
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    handle = non_finite_keys(model, tokens=model.config.num_comp_tokens)
+    try:
+        with pytest.raises(ValueError, match=r"compression gave keys/values that are not finite"), torch.no_grad():
+            model(input_ids=torch.randint(3, VOCAB, (2, 3)), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
 PLAIN_MODEL_CALLS = {
     "forward": lambda base, cache: base(input_ids=torch.tensor([[20, 21], [22, 23]]), past_key_values=cache),
     "generate": lambda base, cache: base.generate(
@@ -639,6 +695,19 @@ BAD_INPUTS = {
     "embeddings of another dtype": (
         lambda model, cache: model(inputs_embeds=torch.randn(2, 3, 32, dtype=torch.float64), past_key_values=cache),
         "inputs_embeds has dtype torch.float64 but the model runs in torch.float32",
+    ),
+    "embeddings holding a NaN": (
+        lambda model, cache: model(
+            inputs_embeds=torch.randn(2, 3, 32).index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(torch.nan)),
+            past_key_values=cache,
+        ),
+        r"inputs_embeds holds values that are not finite \(NaN or inf\)",
+    ),
+    "a prompt of embeddings holding an inf": (
+        lambda model, cache: model.generate(
+            inputs_embeds=torch.full((2, 2, 32), torch.inf), past_key_values=cache, max_new_tokens=2
+        ),
+        r"inputs_embeds holds values that are not finite \(NaN or inf\)",
     ),
 }
 

@@ -246,6 +246,11 @@ class StreamingLayer(DynamicLayer):
     def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]
 
+    def memory(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory keys and values, `(batch, kv_heads, memory_length, head_dim)` each."""
+        memory = slice(self.sink_length, self.sink_length + self.memory_length)
+        return self.keys[:, :, memory], self.values[:, :, memory]
+
     def fold_chunk(
         self,
         rotation: KeyRotation,
@@ -728,6 +733,7 @@ class CompressedMemoryCache(Cache):
                 layer.fold_average(n, weight)
             owned = rows[:, None].expand(-1, n)
             memory_mask = owned.clone() if self.memory_length == 0 else state.memory_mask | owned
+        _check_finite_memory(self.layers)
         # <COMP> tokens take positions but do not advance the logical position (the "skip" scheme).
         self.rows = replace(
             state,
@@ -823,6 +829,7 @@ class CompressedMemoryCache(Cache):
         for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
             comp = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
             layer.fold_chunk(rotation, index, comp, streaming.compress_chunk, evicted, weight, drop_chunk=not keep)
+        _check_finite_memory(self.layers)
         self.compressed_in_window = streaming.compress_chunk if keep else 0
         slots = self.layers[0].memory_length
         self.rows = replace(
@@ -1253,6 +1260,19 @@ class _MemoryFile:
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{index}."
         return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+
+def _check_finite_memory(layers: list[MemoryLayer] | list[StreamingLayer]) -> None:
+    """Raise if a compression just gave memory keys/values that are not finite: attention to a NaN slot gives NaN
+    logits at every later turn, and a saved memory would carry it. Raised inside the call's transaction, which then
+    leaves the cache as it was."""
+    # One device synchronisation for all layers, not one per tensor.
+    if not bool(torch.stack([torch.isfinite(tensor).all() for layer in layers for tensor in layer.memory()]).all()):
+        raise ValueError(
+            "The compression gave keys/values that are not finite (NaN or inf), which would poison every later turn "
+            "of this memory; the cache is left as it was. The model's weights or this turn's inputs hold non-finite "
+            "values, or its float16 activations overflowed (run it in bfloat16 or float32)."
+        )
 
 
 def _float_average(

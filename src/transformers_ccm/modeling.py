@@ -865,6 +865,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             fits = tokens.ndim == 3 and tokens.shape[-1] == hidden
             if fits and tokens.dtype != self.dtype:
                 raise ValueError(f"inputs_embeds has dtype {tokens.dtype} but the model runs in {self.dtype}; cast it.")
+            if not bool(torch.isfinite(tokens).all()):  # its keys/values would join the turn, then the memory
+                raise ValueError("inputs_embeds holds values that are not finite (NaN or inf); pass finite embeddings.")
         if not fits:
             raise ValueError(f"{name} must be {shape}, got shape {tuple(tokens.shape)}.")
         if tokens.shape[1] == 0:
