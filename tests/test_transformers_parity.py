@@ -1,10 +1,12 @@
 """What a transformers or PEFT user calls on a model works on a `CCMForCausalLM`, or is refused with a clear error."""
 
+import threading
+
 import pytest
 import torch
-from transformers import pipeline
+from transformers import TextIteratorStreamer, pipeline
 
-from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
+from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.embedded import load_tokenizer
 
@@ -60,3 +62,40 @@ def test_resizing_the_token_embeddings_is_refused_and_leaves_the_model_and_its_m
         model.resize_token_embeddings(120)
     assert model.vocabulary_size == 97 and model.memory_signature() == signature
     model.generate(torch.tensor([[8, 9]]), past_key_values=cache, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("failure", "error"), [("a layer", InjectedFailure), ("an id outside the vocabulary", ValueError)]
+)
+def test_a_generate_that_fails_in_a_worker_thread_ends_its_streamer(tokenizer, failure, error):
+    """transformers ends a streamer only when generation succeeds, so a consumer iterating a TextIteratorStreamer
+    waited for ever when generate() failed in the thread that ran it (the timeout here only keeps a regression from
+    hanging the suite)."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig()))
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([tokenizer("My name is Ada.")["input_ids"]]))
+    before = [layer.keys for layer in cache.layers]
+    prompt = torch.tensor([tokenizer("What is my name?")["input_ids"]])
+    if failure != "a layer":
+        prompt[0, -1] = model.vocabulary_size
+    streamer = TextIteratorStreamer(tokenizer, timeout=300)
+    raised = []
+
+    def run() -> None:
+        try:
+            model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, streamer=streamer)
+        except Exception as exception:
+            raised.append(exception)
+
+    handle = fail_in_layer(model, 1, after_calls=3) if failure == "a layer" else None
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()
+        "".join(streamer)  # ends, instead of waiting for text that never comes
+        worker.join()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert len(raised) == 1 and isinstance(raised[0], error)
+    assert not cache.has_unfolded_turn
+    assert all(keys is layer.keys for keys, layer in zip(before, cache.layers, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -22,6 +23,7 @@ from torch.nn.modules.module import (
 )
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationMode
+from transformers.generation.streamers import BaseStreamer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from transformers_ccm.attention import (
@@ -499,8 +501,29 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         stopping criteria); it always decodes with the cache, which holds the memory (`use_cache=False` is
         overridden). The turn stays in the cache for `compress(cache)` to fold; with several returned
         sequences per row the caller picks one and compresses it with `compress(cache, ids)`. If generation
-        fails, the cache is left as it was.
+        fails, the cache is left as it was, and a `streamer` given is ended (its consumer stops waiting).
         """
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            kwargs["streamer"] = streamer = _EndingStreamer(streamer)
+        try:
+            return self._generate(input_ids, attention_mask, past_key_values, **kwargs)
+        except BaseException:
+            # transformers ends a streamer only when generation succeeds: a consumer iterating a TextIteratorStreamer
+            # (in another thread, without a timeout) waited for ever after a failure. It now sees the stream end.
+            if streamer is not None and not streamer.ended:
+                with contextlib.suppress(Exception):  # the call's own failure is the error to raise
+                    streamer.end()
+            raise
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        past_key_values: CompressedMemoryCache | None,
+        **kwargs: Any,
+    ) -> Any:
+        """`generate()`, with a streamer (if any) that records whether it was ended."""
         given = _given_cache(past_key_values, kwargs)
         embeds = kwargs.pop("inputs_embeds", None)
         name, prompt = ("input_ids", input_ids) if embeds is None else ("inputs_embeds", embeds)
@@ -956,6 +979,21 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def print_trainable_parameters(self) -> None:
         trainable, total = self.get_nb_trainable_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
+
+
+class _EndingStreamer(BaseStreamer):
+    """Hands `generate()`'s tokens on to `streamer`, and records whether its stream was ended."""
+
+    def __init__(self, streamer: BaseStreamer) -> None:
+        self.streamer = streamer
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.ended = True  # first: a streamer whose end() fails is not ended twice
+        self.streamer.end()
 
 
 def _check_supported(model: PreTrainedModel) -> None:
