@@ -703,6 +703,16 @@ BAD_INPUTS = {
         ),
         r"inputs_embeds holds values that are not finite \(NaN or inf\)",
     ),
+    "position_ids given to generate": (
+        lambda model, cache: model.generate(
+            torch.tensor([[20, 21], [22, 23]]), position_ids=torch.tensor([[7, 8], [7, 8]]), past_key_values=cache
+        ),
+        "position_ids cannot be given with a CompressedMemoryCache: the cache numbers the positions itself",
+    ),
+    "generate without a prompt": (
+        lambda model, cache: model.generate(past_key_values=cache, max_new_tokens=2),
+        r"generate\(\) needs a prompt: pass input_ids \(batch, len\) or inputs_embeds",
+    ),
     "a prompt of embeddings holding an inf": (
         lambda model, cache: model.generate(
             inputs_embeds=torch.full((2, 2, 32), torch.inf), past_key_values=cache, max_new_tokens=2
@@ -720,6 +730,12 @@ BAD_TYPES = {
     "a list as input_ids to forward": (
         lambda model, cache: model(input_ids=[[20, 21], [22, 23]], past_key_values=cache),
         r"input_ids must be a torch.Tensor, got list",
+    ),
+    "the prompt as input_ids and as inputs": (
+        lambda model, cache: model.generate(
+            torch.tensor([[20, 21], [22, 23]]), inputs=torch.tensor([[20, 21], [22, 23]]), past_key_values=cache
+        ),
+        "Give the prompt once, as input_ids= or as inputs=",
     ),
     "no cache to compress": (
         lambda model, cache: model.compress(None, torch.tensor([[5, 6], [7, 8]])),

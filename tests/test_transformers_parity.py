@@ -42,6 +42,17 @@ def test_the_members_of_a_pretrained_model_reach_the_base_model():
     assert model.memory_signature() == signature
 
 
+def test_generate_takes_the_prompt_under_transformers_name_inputs():
+    """`generate(inputs=ids)` (transformers' name, and its first positional argument) is `generate(ids)`."""
+    model = tiny_ccm("llama")
+    runs = []
+    for prompt in ({"input_ids": torch.tensor([[8, 9]])}, {"inputs": torch.tensor([[8, 9]])}):
+        cache = model.new_cache()
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+        runs.append(model.generate(**prompt, past_key_values=cache, max_new_tokens=4, do_sample=False))
+    assert torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])
 def test_activation_checkpointing_turns_off_again(name):
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())

@@ -525,7 +525,18 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     ) -> Any:
         """`generate()`, with a streamer (if any) that records whether it was ended."""
         given = _given_cache(past_key_values, kwargs)
+        inputs = kwargs.pop("inputs", None)  # transformers' name for the prompt, its first positional argument
+        if inputs is not None and input_ids is not None:
+            raise TypeError("Give the prompt once, as input_ids= or as inputs= (the same argument), not both.")
+        input_ids = input_ids if inputs is None else inputs
         embeds = kwargs.pop("inputs_embeds", None)
+        if input_ids is None and embeds is None:
+            raise ValueError("generate() needs a prompt: pass input_ids (batch, len) or inputs_embeds.")
+        if kwargs.get("position_ids") is not None:  # the online forward would replace them without a word
+            raise ValueError(
+                "position_ids cannot be given with a CompressedMemoryCache: the cache numbers the positions itself "
+                "(after the memory and the turn so far). Pass input_ids (or inputs_embeds) and attention_mask only."
+            )
         name, prompt = ("input_ids", input_ids) if embeds is None else ("inputs_embeds", embeds)
         _check_tensor(prompt, name)
         cache = given if given is not None else self.new_cache(prompt.shape[0])
