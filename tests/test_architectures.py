@@ -2,10 +2,17 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BloomConfig, T5Config, T5ForConditionalGeneration
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BloomConfig,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
+from transformers_ccm.lora import lora_layers
 
 
 def test_model_without_attention_interface_is_refused():
@@ -18,6 +25,22 @@ def test_encoder_decoder_is_refused():
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
     with pytest.raises(TypeError, match="decoder-only"):
         CCMForCausalLM.from_base(t5, CCMConfig())
+
+
+@pytest.mark.parametrize("head", ["none", "sequence classification"])
+def test_a_model_without_a_language_modelling_head_is_refused_and_left_as_it_was(head):
+    """A `LlamaModel` (or a classifier) was wrapped, compressed contexts, and failed inside generate()."""
+    base = (
+        tiny_base("llama").model
+        if head == "none"
+        else AutoModelForSequenceClassification.from_config(tiny_base("llama").config)
+    )
+    implementation = base.config._attn_implementation
+    with pytest.raises(
+        TypeError, match=rf"{type(base).__name__} has no language-modelling head .* AutoModelForCausalLM"
+    ):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert not lora_layers(base) and base.config._attn_implementation == implementation
 
 
 def test_peft_model_is_refused():

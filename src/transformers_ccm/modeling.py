@@ -1016,6 +1016,11 @@ def _check_supported(model: PreTrainedModel) -> None:
         )
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(f"{name} is an encoder-decoder model; CCM needs a decoder-only AutoModelForCausalLM.")
+    if not model.can_generate():  # compress() ran, and generate() failed deep inside with an AttributeError
+        raise TypeError(
+            f"{name} has no language-modelling head (it cannot generate); CCM needs a decoder-only causal LM: load it "
+            "with AutoModelForCausalLM."
+        )
     if lora_layers(model):
         raise TypeError(f"{name} already holds LoRA layers; pass the base model without adapters.")
     if not model._supports_attention_backend:
