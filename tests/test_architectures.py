@@ -43,6 +43,17 @@ def test_a_model_without_a_language_modelling_head_is_refused_and_left_as_it_was
     assert not lora_layers(base) and base.config._attn_implementation == implementation
 
 
+@pytest.mark.parametrize("config", [{}, {"num_comp_tokens": 4}, "concat"])
+def test_a_config_that_is_no_ccm_config_is_refused_and_the_base_left_as_it_was(config):
+    """A dict failed with an AttributeError (an empty one was silently taken for the defaults)."""
+    base = tiny_base("llama")
+    with pytest.raises(TypeError, match=rf"config must be a CCMConfig, got {type(config).__name__}; build one with"):
+        CCMForCausalLM.from_base(base, config)
+    with pytest.raises(TypeError, match="config must be a CCMConfig"):
+        CCMForCausalLM(base, config)
+    assert not lora_layers(base)
+
+
 def test_peft_model_is_refused():
     from peft import LoraConfig, get_peft_model
 

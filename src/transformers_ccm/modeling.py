@@ -107,6 +107,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     """
 
     def __init__(self, base_model: PreTrainedModel, config: CCMConfig) -> None:
+        _check_config(config)
         _check_supported(base_model)
         check_base_shape(config, base_model.name_or_path, base_shape(base_model.config))
         super().__init__()
@@ -145,7 +146,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         **from_pretrained_kwargs: Any,
     ) -> CCMForCausalLM:
         """Wrap a loaded model, or load one by local path or Hub id (kwargs go to `from_pretrained`)."""
-        config = config or CCMConfig()
+        config = CCMConfig() if config is None else config
+        _check_config(config)  # before a base model is loaded
         if isinstance(model, (str, os.PathLike)):
             model = load_base_model(model, **from_pretrained_kwargs)
         elif from_pretrained_kwargs:
@@ -1005,6 +1007,16 @@ class _EndingStreamer(BaseStreamer):
     def end(self) -> None:
         self.ended = True  # first: a streamer whose end() fails is not ended twice
         self.streamer.end()
+
+
+def _check_config(config: Any) -> None:
+    """Raise unless `config` is a `CCMConfig` (a dict failed with an AttributeError, and an empty one was taken for
+    the defaults)."""
+    if not isinstance(config, CCMConfig):
+        raise TypeError(
+            f"config must be a CCMConfig, got {type(config).__name__}; build one with CCMConfig(...)"
+            + (", e.g. CCMConfig(**settings) for a dict of settings." if isinstance(config, dict) else ".")
+        )
 
 
 def _check_supported(model: PreTrainedModel) -> None:
