@@ -219,3 +219,51 @@ def test_a_pad_token_id_the_model_cannot_embed_is_refused_and_none_pads_with_zer
             CCMDataCollator(model, pad_token_id=pad)
     with pytest.raises(ValueError, match=r"CCMDataCollator.pad_token_id must be an integer >= 0"):
         CCMDataCollator(CONFIG, pad_token_id=-1)
+
+
+def _spoiled(batch, name, value):
+    return {**batch, name: value(batch[name])}
+
+
+HAND_MADE = {
+    "an id past the vocabulary": (
+        "input_ids",
+        lambda ids: ids.index_put((torch.tensor(0), torch.tensor(0)), torch.tensor(VOCAB + 3)),
+        ValueError,
+        rf"input_ids holds the token id {VOCAB + 3}, outside the model's vocabulary",
+    ),
+    "float ids": ("input_ids", lambda ids: ids.float(), ValueError, "input_ids must hold integer token ids"),
+    "ids as a list": ("input_ids", lambda ids: ids.tolist(), TypeError, "input_ids must be a torch.Tensor, got list"),
+    "a shorter comp_mask": (
+        "comp_mask",
+        lambda mask: mask[:, :-1],
+        ValueError,
+        r"tensors of one shape, got input_ids \(1, 7\), comp_mask \(1, 6\).*build it with CCMDataCollator",
+    ),
+    "labels of another length": (
+        "labels",
+        lambda labels: labels[:, 1:],
+        ValueError,
+        r"tensors of one shape, got .*labels \(1, 6\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HAND_MADE))
+def test_a_hand_made_training_batch_that_does_not_fit_is_refused_naming_the_problem(case):
+    """A batch built by hand failed inside torch: an IndexError (on CUDA a device-side assert that stops the process),
+    an AttributeError for a list, a RuntimeError on mismatched sizes."""
+    model = tiny_ccm("llama")
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [8], [9])])
+    name, spoil, error, message = HAND_MADE[case]
+    with pytest.raises(error, match=message):
+        model(**_spoiled(batch, name, spoil))
+
+
+def test_ids_at_comp_positions_of_a_training_batch_are_not_read():
+    """`embed()` puts the `<COMP>` embeddings there whatever the ids say, so any id there is fine."""
+    model = tiny_ccm("llama")
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [8], [9])])
+    marked = _spoiled(batch, "input_ids", lambda ids: ids.masked_fill(batch["comp_mask"], -1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(**marked).logits, model(**batch).logits, rtol=0, atol=0)

@@ -347,6 +347,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "The training forward needs input_ids, segment_ids, comp_mask and position_ids (a CCMDataCollator "
                 "batch); for online inference pass past_key_values=model.new_cache(...)."
             )
+        self._check_batch(input_ids, comp_mask, segment_ids=segment_ids, position_ids=position_ids, labels=labels)
         mask, memory_mix = windowed_block_attention(
             segment_ids, comp_mask, position_ids, self.config, SlidingWindow.of(self._text_config)
         )
@@ -908,6 +909,23 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if tokens.shape[1] == 0:
             raise ValueError(f"{name} holds no token; pass at least one.")
         cache.check_batch_size(tokens.shape[0], name)
+
+    def _check_batch(self, input_ids: Any, comp_mask: Any, **others: Any) -> None:
+        """Raise unless a training batch holds tensors of one `(batch, seq)` shape and, outside `<COMP>` positions,
+        ids of this model's vocabulary (`others`: segment_ids, position_ids and labels, None where not given). A
+        hand-made batch failed inside torch: an `IndexError`, or on CUDA a device-side assert that stops the process."""
+        tensors = {"input_ids": input_ids, "comp_mask": comp_mask, **others}
+        for name, tensor in tensors.items():
+            if tensor is not None:
+                _check_tensor(tensor, name)
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items() if tensor is not None}
+        if input_ids.ndim != 2 or len(set(shapes.values())) > 1:
+            given = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+            raise ValueError(
+                f"A training batch holds 2-D (batch, seq) tensors of one shape, got {given}; build it with "
+                "CCMDataCollator."
+            )
+        self._check_ids(input_ids.masked_fill(comp_mask.bool(), 0), "input_ids")  # embed() ignores <COMP> ids
 
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         """Raise if `ids` are not integer token ids of this model's vocabulary (checked before anything runs)."""
