@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
-from transformers_ccm.cache import MEMORY_FORMAT
+from transformers_ccm.cache import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
 
 
 def _filled(model, batch_size=2):
@@ -255,7 +255,7 @@ CRAFTED = {
     ),
     "a format version that is no string": (
         {"metadata": _header_edit(lambda h: h.update(format_version=2))},
-        "its format_version is 2, not a string such as '2'",
+        "its format_version is 2, not a string such as '3'",
     ),
     "a header nested too deeply": (
         {"metadata": lambda header: {MEMORY_FORMAT: "[" * 100_000 + "]" * 100_000}},
@@ -439,11 +439,52 @@ def test_files_of_format_version_1_still_load(tmp_path, caplog):
         },
     )
     loaded = CompressedMemoryCache.load(path, model)
-    assert "did not record the base weights" in caplog.text
+    assert "did not record base_fingerprint, lora_scaling" in caplog.text
     assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)
     model.compress(loaded, torch.tensor([[5, 6], [7, 8]]))
     model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
     assert torch.equal(loaded.layers[1].values, cache.layers[1].values)
+
+
+def _as_version_2(header):
+    """The header as version 2 wrote it: without the LoRA scaling, the gate and the base config."""
+    unrecorded = ("lora_scaling", "conditional_lora", "base_config")
+    signature = {key: value for key, value in header["signature"].items() if key not in unrecorded}
+    header.update(format_version="2", signature=signature)
+
+
+def test_files_of_format_version_2_load_and_name_what_they_could_not_check(tmp_path, caplog):
+    """Version 2 did not record the LoRA scaling, the gate or the base config: its files load where everything they
+    recorded matches, with a warning that says what went unchecked."""
+    model = tiny_ccm("llama", update="merge")
+    cache = _filled(model)
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    _rewrite(path, metadata=_header_edit(_as_version_2))
+    loaded = CompressedMemoryCache.load(path, model)
+    assert "version 2, which did not record lora_scaling, conditional_lora, base_config" in caplog.text
+    model.compress(loaded, torch.tensor([[5, 6], [7, 8]]))
+    model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
+    assert torch.equal(loaded.layers[1].values, cache.layers[1].values)
+    loaded.save(path)  # written again in the current version, with the full signature
+    assert json.loads(_header(path))["format_version"] == MEMORY_FORMAT_VERSION
+
+
+def test_files_of_format_version_2_of_another_adapter_are_refused(tmp_path):
+    cache = _filled(tiny_ccm("llama", update="merge"))
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    _rewrite(path, metadata=_header_edit(_as_version_2))
+    other = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge")), seed=7)
+    with pytest.raises(ValueError, match=r"was made by another model or adapter \(adapter_sha256"):
+        CompressedMemoryCache.load(path, other)
+
+
+def _header(path):
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as file:
+        return file.metadata()[MEMORY_FORMAT]
 
 
 @pytest.mark.parametrize("update", ["concat", "merge"])

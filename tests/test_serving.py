@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import StoppingCriteriaList
+from transformers import AutoModelForCausalLM, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
@@ -561,6 +562,8 @@ MODEL_CHANGES = {
     "optimizer step": _step_the_adapter,
     "attention switch": lambda model, _: model.base_model.set_attn_implementation("sdpa"),
     "cast": lambda model, _: model.half(),
+    "LoRA scaling": lambda model, _: _set_scale(model),
+    "base config": lambda model, _: setattr(model.base_model.config, "rms_norm_eps", 1e-2),
 }
 
 
@@ -891,6 +894,152 @@ def test_a_live_cache_is_refused_once_the_adapter_changed():
         model.comp_embeddings.add_(0.1)
     with pytest.raises(ValueError, match="adapter_sha256"):
         model.generate(torch.tensor([[5], [6]]), past_key_values=cache, max_new_tokens=2)
+
+
+def _same_weights(ccm: dict[str, object], base: dict[str, object]) -> CCMForCausalLM:
+    """A tiny Llama CCM model with the weights of `tiny_base("llama")` and `randomize_adapter` (seed 1), built with
+    the adapter settings `ccm` and the base config entries `base` changed."""
+    reference = tiny_base("llama")
+    config = copy.deepcopy(reference.config)
+    for name, value in base.items():
+        setattr(config, name, value)
+    twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    twin.load_state_dict(reference.state_dict())
+    return randomize_adapter(CCMForCausalLM.from_base(twin, CCMConfig(**ccm)))
+
+
+def _memory(model: CCMForCausalLM) -> CompressedMemoryCache:
+    cache = model.new_cache(1)
+    model.compress(cache, torch.tensor([list(range(3, 40))]))
+    return cache
+
+
+def _memory_difference(one: CompressedMemoryCache, other: CompressedMemoryCache) -> float:
+    return max(
+        float((mine - theirs).abs().max())
+        for a, b in zip(one.layers, other.layers, strict=True)
+        for mine, theirs in ((a.keys, b.keys), (a.values, b.values))
+    )
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ccm=st.fixed_dictionaries(
+        {},
+        optional={
+            "lora_alpha": st.sampled_from([4.0, 16.0, 64.0]),
+            "conditional_lora": st.booleans(),
+            "lora_dropout": st.sampled_from([0.0, 0.3]),
+        },
+    ),
+    base=st.fixed_dictionaries(
+        {},
+        optional={
+            "rope_parameters": st.sampled_from(
+                [
+                    {"rope_type": "default", "rope_theta": 500000.0},
+                    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+                ]
+            ),
+            "rms_norm_eps": st.sampled_from([1e-6, 1e-2]),
+            "hidden_act": st.sampled_from(["silu", "gelu"]),
+            "pad_token_id": st.sampled_from([0, 5]),
+            "unk_token_id": st.sampled_from([0, 7]),
+        },
+    ),
+)
+def test_a_memory_is_accepted_only_by_a_model_that_computes_the_same_memory(tmp_path, ccm, base):
+    """Same weights, other settings: the signature left out the LoRA scaling (lora_alpha), the conditional gate and
+    the base config (rotary base and scaling, norm epsilon, activation), so a memory compressed under one was
+    accepted by a model that computes another, which then answered from keys/values it never made."""
+    made_by, user = _same_weights({}, {}), _same_weights(ccm, base)
+    assert user.memory_signature()["adapter_sha256"] == made_by.memory_signature()["adapter_sha256"]
+    assert user.memory_signature()["base_fingerprint"] == made_by.memory_signature()["base_fingerprint"]
+    memory = _memory(made_by)
+    memory.save(tmp_path / "user.safetensors")
+    if _memory_difference(memory, _memory(user)) > 1e-5:
+        with pytest.raises(ValueError, match="belongs to another model or adapter"):
+            user.compress(memory, torch.tensor([[5, 6]]))
+        with pytest.raises(ValueError, match="was made by another model or adapter"):
+            CompressedMemoryCache.load(tmp_path / "user.safetensors", user)
+    if set(ccm) <= {"lora_dropout"} and set(base) <= {"pad_token_id", "unk_token_id"}:  # no change of numbers at eval
+        loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", user)
+        user.compress(memory, torch.tensor([[5, 6]]))
+        assert _memory_difference(loaded, _memory(made_by)) == 0
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"pad_token_id": 5},
+        {"unk_token_id": 7},
+        {"initializer_range": 0.5},
+        {"use_cache": False},
+        {"attention_dropout": 0.3},
+        {"output_hidden_states": True},
+        {"transformers_version": "4.0.0"},
+    ],
+)
+def test_a_base_config_that_differs_only_in_bookkeeping_accepts_the_memory(tmp_path, entry):
+    """Token ids, initialisation, switches and dropout (off in eval) change no key or value: a base config that differs
+    only there computes the same memory and accepts it."""
+    made_by, user = _same_weights({}, {}), _same_weights({}, entry)
+    _memory(made_by).save(tmp_path / "user.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", user)
+    assert _memory_difference(loaded, _memory(user)) == 0
+
+
+def test_a_refused_base_config_names_the_entry_that_differs(tmp_path):
+    _memory(_same_weights({}, {})).save(tmp_path / "user.safetensors")
+    other = _same_weights({}, {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+    with pytest.raises(
+        ValueError, match=r"base_config\.rope_parameters\.rope_theta: file 10000\.0 vs model 500000\.0\)"
+    ):
+        CompressedMemoryCache.load(tmp_path / "user.safetensors", other)
+
+
+def _set_scale(model: CCMForCausalLM) -> None:
+    for layer in lora_layers(model.base_model):
+        layer.set_scale("default", 2.0)  # PEFT's own call: scaling = 2 * lora_alpha / r
+
+
+def _scale_one_layer(model: CCMForCausalLM) -> None:
+    lora_layers(model.base_model)[1].scaling["default"] *= 3
+
+
+def _narrow_the_window(model: CCMForCausalLM) -> None:
+    model.base_model.config.sliding_window = 4  # read by the mask code at every call
+
+
+def _tiny_llama() -> CCMForCausalLM:
+    return _same_weights({}, {})
+
+
+def _tiny_mistral() -> CCMForCausalLM:
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("mistral"), CCMConfig()))
+
+
+LIVE_CHANGES = {
+    "set_scale": (_tiny_llama, _set_scale, "lora_scaling: cache 2.0 vs model 4.0"),
+    "scaling of one layer": (_tiny_llama, _scale_one_layer, "lora_scaling: cache 2.0 vs model [2.0, 6.0, 2.0"),
+    "sliding window": (_tiny_mistral, _narrow_the_window, "base_config.sliding_window: cache None vs model 4"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(LIVE_CHANGES))
+def test_a_cache_is_refused_once_the_model_computes_its_memory_otherwise(tmp_path, change):
+    """A change made to a loaded model that changes the keys/values it computes (the LoRA scaling, the sliding window
+    its mask code reads) left its caches and memory files accepted."""
+    make, change_it, message = LIVE_CHANGES[change]
+    model = make()
+    cache = _memory(model)
+    cache.save(tmp_path / "user.safetensors")
+    change_it(model)
+    assert _memory_difference(cache, _memory(model)) > 1e-3
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.compress(cache, torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match=re.escape(message.replace("cache", "file"))):
+        CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
 
 
 def _assign_state_dict(model: CCMForCausalLM, shift: float) -> None:

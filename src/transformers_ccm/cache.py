@@ -43,9 +43,13 @@ from transformers_ccm.validation import is_int, positive_int
 logger = logging.getLogger(__name__)
 
 MEMORY_FORMAT = "transformers-ccm-memory"
-MEMORY_FORMAT_VERSION = "2"
-# Version 1 files hashed only the adapter parameters that required grad and did not identify the base weights.
-_LEGACY_FORMAT_VERSIONS = ("1",)
+MEMORY_FORMAT_VERSION = "3"
+# The signature fields that files of older format versions did not record: version 1 identified neither the base
+# weights nor, as version 2, the LoRA scaling, the gate and the base config. Such a file is checked on the rest.
+_UNRECORDED = {
+    "1": ("base_fingerprint", "lora_scaling", "conditional_lora", "base_config"),
+    "2": ("lora_scaling", "conditional_lora", "base_config"),
+}
 # Taken to claim a cache for a call (see `CompressedMemoryCache.transaction`): a check and a claim, never a model run.
 _CLAIMS = threading.Lock()
 # Who holds the caches that the current thread or asyncio task has claimed (None: it holds none): set by its outermost
@@ -60,14 +64,14 @@ class CacheSpec:
 
     Attributes:
         config: the adapter's settings (update rule, `<COMP>` length, concat cap).
-        signature: what a memory depends on: base model and its weights, adapter weights, update rule (see
-            `CCMForCausalLM.memory_signature`). A model or file with another signature is refused.
+        signature: what a memory depends on: base model, its weights and config, adapter weights and LoRA
+            settings, update rule (see `CCMForCausalLM.memory_signature`). A model or file with another signature
+            is refused.
         num_layers, kv_heads, head_dim: the shape of each layer's keys/values `(batch, kv_heads, len, head_dim)`.
         dtype, device: those of the keys/values.
         rotation: the model's rotary frequencies (None without rotary embeddings); streaming needs it, and
             compressed memory uses it to re-base positions that would pass `max_positions`.
         max_positions: the model's maximum number of positions, if it has one.
-        legacy_signature: the signature memory files of format version 1 recorded for this model.
         sliding_window: the model's sliding-window layers, which see only the recent tokens of the turn.
     """
 
@@ -80,7 +84,6 @@ class CacheSpec:
     device: torch.device
     rotation: KeyRotation | None = None
     max_positions: int | None = None
-    legacy_signature: dict[str, Any] | None = None
     sliding_window: SlidingWindow | None = None
 
 
@@ -1050,24 +1053,26 @@ class _MemoryFile:
         version = header.get("format_version")
         if not isinstance(version, str):  # a later version would still be a string: this file is damaged
             raise self._fail(f"its format_version is {version!r}, not a string such as {MEMORY_FORMAT_VERSION!r}")
-        if version not in (MEMORY_FORMAT_VERSION, *_LEGACY_FORMAT_VERSIONS):
+        if version not in (*_UNRECORDED, MEMORY_FORMAT_VERSION):
             raise ValueError(
                 f"{path} has memory format version {version!r}; this transformers-ccm reads versions "
-                f"{[*_LEGACY_FORMAT_VERSIONS, MEMORY_FORMAT_VERSION]}. Upgrade transformers-ccm."
+                f"{[*_UNRECORDED, MEMORY_FORMAT_VERSION]}. Upgrade transformers-ccm."
             )
         signature = header.get("signature")
         if not isinstance(signature, dict):
             raise self._fail("its header has no signature")
-        expected = spec.signature if version == MEMORY_FORMAT_VERSION else spec.legacy_signature or {}
+        unrecorded = _UNRECORDED.get(version, ())
+        expected = {key: value for key, value in spec.signature.items() if key not in unrecorded}
         differences = _differences(signature, expected, "file")
         if differences:
             raise ValueError(f"{path} was made by another model or adapter ({differences}); load it with that model.")
-        if version != MEMORY_FORMAT_VERSION:
+        if unrecorded:
             logger.warning(
-                "%s has memory format version %s, which did not record the base weights; it is accepted because "
-                "its adapter and base shapes match. Save it again to write version %s.",
+                "%s has memory format version %s, which did not record %s, so those could not be checked; it is "
+                "accepted because the rest of its signature matches this model. Save it again to write version %s.",
                 path,
                 version,
+                ", ".join(unrecorded),
                 MEMORY_FORMAT_VERSION,
             )
         self.streaming, self.stream_state = self._streaming(header.get("streaming"))
@@ -1078,7 +1083,7 @@ class _MemoryFile:
         return ValueError(f"{self.path} is not a valid memory file: {problem}. Save the memory again.")
 
     def _header(self, metadata: dict[str, str]) -> dict[str, Any]:
-        """The header as one dict: version 2 keeps it in one JSON entry, version 1 in several."""
+        """The header as one dict: versions 2 and later keep it in one JSON entry, version 1 in several."""
         if MEMORY_FORMAT in metadata:
             return self._json(metadata[MEMORY_FORMAT], "header")
         if metadata.get("format") != MEMORY_FORMAT:
@@ -1304,9 +1309,20 @@ def _attend_held_then_causal(batch_size: int, held: int, new: int, device: torch
 
 
 def _differences(found: dict[str, Any], expected: dict[str, Any], source: str) -> str:
-    """The fields of `expected` that `found` does not match, as 'field: source X vs model Y, ...'."""
-    return ", ".join(
-        f"{key}: {source} {found.get(key)!r} vs model {value!r}"
-        for key, value in sorted(expected.items())
-        if found.get(key) != value
-    )
+    """The fields of `expected` that `found` does not match, as 'field: source X vs model Y, ...'; inside a field
+    that holds an object (the base config), only its entries that differ, as 'field.entry: ...'."""
+    return ", ".join(_differing(found, expected, source, sorted(expected)))
+
+
+def _differing(found: dict[str, Any], expected: dict[str, Any], source: str, keys: list[str]) -> list[str]:
+    differing = []
+    for key in keys:
+        got, wanted = found.get(key), expected.get(key)
+        if got == wanted:
+            continue
+        if isinstance(got, dict) and isinstance(wanted, dict):
+            inner = _differing(got, wanted, source, sorted(got.keys() | wanted.keys()))
+            differing += [f"{key}.{difference}" for difference in inner]
+        else:
+            differing.append(f"{key}: {source} {got!r} vs model {wanted!r}")
+    return differing

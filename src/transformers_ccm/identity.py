@@ -2,20 +2,49 @@
 
 `adapter_digest` hashes every adapter tensor by name, whatever its `requires_grad`. `weights_fingerprint`
 covers every element of every base weight with two exact integer sums over the raw bits (the same on any
-device and in any reduction order), without the cost of a cryptographic hash of gigabytes.
+device and in any reduction order), without the cost of a cryptographic hash of gigabytes. `computing_settings`
+picks the entries of a base model's config that change what it computes with those weights (rotary base and
+scaling, norm epsilon, sliding window, ...).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 _CHUNK = 1 << 22
 _ROW = 64
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Row weights of the second sum (a prime modulus keeps the products far from int64 overflow).
 _MODULUS = 65521
+# Entries of a model config that change nothing a model computes in eval mode: those every transformers config has
+# (names, versions, output switches), and the initialisation, caching and tying switches that model configs add.
+_BOOKKEEPING = frozenset(PretrainedConfig().to_dict()) | {
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "tie_word_embeddings",
+}
+
+
+def computing_settings(config: PretrainedConfig) -> dict[str, Any]:
+    """The entries of `config` that may change the keys/values the model computes, as JSON reads them back: every
+    entry but bookkeeping (`_BOOKKEEPING`), private ones, token ids (`pad_token_id`, ...: the tokenizer's) and
+    dropout rates (off in eval)."""
+    settings = {
+        key: value
+        for key, value in config.to_dict().items()
+        if key not in _BOOKKEEPING
+        and not key.startswith("_")
+        and not key.endswith("_token_id")
+        and "dropout" not in key
+        and not key.endswith("pdrop")
+    }
+    return json.loads(json.dumps(settings))  # tuples as lists, as a memory file's header holds them
 
 
 def adapter_digest(tensors: list[tuple[str, torch.Tensor]]) -> str:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -38,8 +38,15 @@ from transformers_ccm.data import predicting_positions
 from transformers_ccm.embedded import load_base_model
 from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
-from transformers_ccm.identity import adapter_digest, weights_fingerprint
-from transformers_ccm.lora import COMP_MASK_KWARG, LoRAGate, attention_modules, inject_lora, lora_layers
+from transformers_ccm.identity import adapter_digest, computing_settings, weights_fingerprint
+from transformers_ccm.lora import (
+    ADAPTER_NAME,
+    COMP_MASK_KWARG,
+    LoRAGate,
+    attention_modules,
+    inject_lora,
+    lora_layers,
+)
 from transformers_ccm.masks import SlidingWindow, as_block_masks, comp_ranks, windowed_block_attention
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 
@@ -70,6 +77,18 @@ class _Registrations:
 
 register_module_parameter_registration_hook(_Registrations.register)
 register_module_module_registration_hook(_Registrations.register)
+
+
+class _ModelState(NamedTuple):
+    """What a call's result depends on in the model, cheaply compared (`CCMForCausalLM._state`)."""
+
+    adapter_versions: tuple[tuple[int, int], ...]  # version counter and storage of every adapter weight
+    base_versions: tuple[tuple[int, int], ...]  # the same of every base weight
+    attention: str  # the base model's attention implementation
+    lora_scaling: tuple[float, ...]  # the scaling (lora_alpha / r) each LoRA layer multiplies its branch by
+    conditional_lora: bool  # whether the gate keeps the LoRA to <COMP> positions
+    base_config: dict[str, Any]  # the base config's entries that change its numbers (`computing_settings`)
+
 
 TESTED_MODEL_TYPES = (
     "llama",
@@ -128,8 +147,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._rotary_module = KeyRotation.module_name(base_model)
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
-        # The weights by kind, with the count of module registrations in the process when they were listed.
-        self._named_weights: tuple[int, dict[str, list[tuple[str, torch.Tensor]]]] | None = None
+        # The weights by kind and the LoRA layers, with the count of module registrations in the process when they
+        # were listed.
+        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]] | None = None
         self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
@@ -390,12 +410,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """What this model's caches need to know of it (shapes, positions, rotary frequencies, signature)."""
         text_config = self._text_config
         heads = text_config.num_attention_heads
-        signature = self.memory_signature()
         # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
         rotation = None if self._rotary_module is None else KeyRotation.of_model(self.base_model, self._rotary_module)
         return CacheSpec(
             config=self.config,
-            signature=signature,
+            signature=self.memory_signature(),
             num_layers=text_config.num_hidden_layers,
             kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
@@ -403,7 +422,6 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             device=self.device,
             rotation=rotation,
             max_positions=getattr(text_config, "max_position_embeddings", None),
-            legacy_signature={key: value for key, value in signature.items() if key != "base_fingerprint"},
             sliding_window=SlidingWindow.of(text_config),
         )
 
@@ -777,18 +795,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     # ----- identity -----------------------------------------------------------------------------------------
     def memory_signature(self) -> dict[str, Any]:
-        """What a compressed memory depends on: the base model (name, shape, dtype and a fingerprint of every
-        weight), the update rule, and a hash of every adapter tensor by name.
+        """What a compressed memory depends on: the base model (name, shape, dtype, a fingerprint of every weight,
+        and the config entries that change its numbers, such as its rotary base and scaling), the update rule and
+        `<COMP>` length, a hash of every adapter tensor by name, the LoRA's scaling (`lora_alpha / r`, one value, or
+        one per LoRA layer where they differ) and whether it is conditional.
 
         Digests are recomputed only after a weight changed (tracked by tensor version counters), so asking at
         every call is cheap.
         """
         return self._signature(self._state())
 
-    def _signature(self, state: tuple[Any, ...]) -> dict[str, Any]:
+    def _signature(self, state: _ModelState) -> dict[str, Any]:
         """`memory_signature()` for the model in `state` (`_state()`), whose version scans key the digests: a call
         checks its cache with the scan it holds the model to, not with one more."""
-        adapter_versions, base_versions, _ = state
+        scaling = state.lora_scaling
         return {
             "base_model": self.config.base_model_name_or_path,
             **base_shape(self.base_model.config),
@@ -797,27 +817,35 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             "num_comp_tokens": self.config.num_comp_tokens,
             "max_memory_tokens": self.config.max_memory_tokens,
             "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
-            "adapter_sha256": self._digest("adapter", adapter_digest, adapter_versions),
-            "base_fingerprint": self._digest("base", weights_fingerprint, base_versions),
+            "adapter_sha256": self._digest("adapter", adapter_digest, state.adapter_versions),
+            "base_fingerprint": self._digest("base", weights_fingerprint, state.base_versions),
+            "lora_scaling": scaling[0] if len(set(scaling)) == 1 else list(scaling),
+            "conditional_lora": state.conditional_lora,
+            "base_config": state.base_config,
         }
 
-    def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
-        """The adapter's and the base model's parameters by name, sorted. Walking the modules costs milliseconds and
-        this is asked at every call, so they are listed again only after a module registered a parameter or a
-        submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the digests of a stale list
-        would miss the new tensors, and accept memories of the weights they replaced."""
+    def _listing(self) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]]:
+        """The adapter's and the base model's parameters by name, sorted, and the LoRA layers. Walking the modules
+        costs milliseconds and this is asked at every call, so they are listed again only after a module registered
+        a parameter or a submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the digests of
+        a stale list would miss the new tensors, and accept memories of the weights they replaced."""
         registrations = _Registrations.latest  # read first: a registration during the walk lists them again next time
-        if self._named_weights is None or self._named_weights[0] != registrations:
+        if self._listed is None or self._listed[0] != registrations:
             named = sorted(self.named_parameters())
             is_adapter = [name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name for name, _ in named]
-            self._named_weights = (
+            self._listed = (
                 registrations,
                 {
                     "adapter": [item for item, adapter in zip(named, is_adapter, strict=True) if adapter],
                     "base": [item for item, adapter in zip(named, is_adapter, strict=True) if not adapter],
                 },
+                lora_layers(self.base_model),
             )
-        return self._named_weights[1]
+        return self._listed[1], self._listed[2]
+
+    def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """The adapter's and the base model's parameters by name, sorted (`_listing`)."""
+        return self._listing()[0]
 
     def _versions(self, kind: str) -> tuple[tuple[int, int], ...]:
         """The version counter and storage of every `kind` weight: they differ once one changed (in place: its
@@ -834,13 +862,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             cached = self._digests[kind] = versions, compute(self._weights()[kind])
         return cached[1]
 
-    def _state(self) -> tuple[Any, ...]:
-        """What a call's result depends on in the model, cheaply compared: the version counter and storage of every
-        weight, and the attention implementation."""
-        return self._versions("adapter"), self._versions("base"), self.base_model.config._attn_implementation
+    def _state(self) -> _ModelState:
+        """What a call's result depends on in the model, cheaply compared. The LoRA scaling and the config are read
+        where the model computes with them, so that a change made after loading (PEFT's `set_scale`, say) counts."""
+        return _ModelState(
+            adapter_versions=self._versions("adapter"),
+            base_versions=self._versions("base"),
+            attention=self.base_model.config._attn_implementation,
+            lora_scaling=tuple(float(layer.scaling[ADAPTER_NAME]) for layer in self._listing()[1]),
+            conditional_lora=self._gate.conditional,
+            base_config=computing_settings(self._text_config),
+        )
 
     @contextmanager
-    def _unchanged_since(self, state: tuple[Any, ...], call: str) -> Iterator[None]:
+    def _unchanged_since(self, state: _ModelState, call: str) -> Iterator[None]:
         """Raise when the context ends if the model is no longer in `state` (`_state()`): another thread loaded an
         adapter, stepped an optimizer, cast the model or switched its attention while `call` ran, which then ran its
         first layers with one adapter and its last with another, and would have stored that memory under the
@@ -855,7 +890,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if self._state() != state:
             raise _changed_during(call)
 
-    def _check_cache(self, cache: CompressedMemoryCache, call: str) -> tuple[Any, ...]:
+    def _check_cache(self, cache: CompressedMemoryCache, call: str) -> _ModelState:
         """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
         model still attends through CCM's attention, and the cache was made by this model, with these weights, and
         lives on its device. Returns the model's state (`_state()`) taken before the checks, for the call to
