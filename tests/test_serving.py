@@ -1042,6 +1042,30 @@ def test_a_cache_is_refused_once_the_model_computes_its_memory_otherwise(tmp_pat
         CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layers=st.sets(st.integers(0, 7), min_size=1), call=st.sampled_from(sorted(CALLS)))
+def test_peft_s_own_lora_path_switched_on_is_refused_until_switched_off(tmp_path, layers, call):
+    """`enable_adapters(True)` on a LoRA layer (PEFT's own switch) added the LoRA at every token besides the gate's:
+    calls ran on, with other keys/values under the same signature, and the caches made before were accepted."""
+    model = _same_weights({}, {})
+    cache = _memory(model).copy()
+    cache.batch_repeat_interleave(2)
+    saved = _saved_bytes(cache, tmp_path / "before.safetensors")
+    expected = _memory(model)
+    enabled = [lora_layers(model.base_model)[index] for index in sorted(layers)]
+    for layer in enabled:
+        layer.enable_adapters(True)
+    with pytest.raises(ValueError, match=rf"{len(enabled)} LoRA layers run PEFT's own LoRA path .*enable_adapters"):
+        CALLS[call](model, cache)
+    with pytest.raises(ValueError, match="enable_adapters"):
+        model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])]))
+    assert _saved_bytes(cache, tmp_path / "after.safetensors") == saved
+    for layer in enabled:
+        layer.enable_adapters(False)
+    assert _memory_difference(_memory(model), expected) == 0
+    CALLS[call](model, cache)
+
+
 def _assign_state_dict(model: CCMForCausalLM, shift: float) -> None:
     model.load_state_dict({name: tensor + shift for name, tensor in model.state_dict().items()}, assign=True)
 

@@ -242,13 +242,23 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
         self.base_model.set_attn_implementation(ccm_attention_name(implementation))
 
-    def _check_attention(self) -> None:
-        """Raise if the base model's attention was switched away from CCM's after it was wrapped."""
+    def _check_wrapping(self) -> None:
+        """Raise if the base model was switched away from how CCM runs it after it was wrapped: its attention
+        (another lacks CCM's memory and <COMP> masks), or PEFT's own LoRA path (which adds the LoRA at every token,
+        besides the gate's)."""
         current = self.base_model.config._attn_implementation
         if wrapped_implementation(current) is None:
             raise ValueError(
                 f"The base model's attention is {current!r}, which lacks CCM's memory and <COMP> masks (it was "
                 "switched after the model was wrapped); switch with model.set_attn_implementation('sdpa' or 'eager')."
+            )
+        enabled = [layer for layer in self._listing()[1] if not layer.disable_adapters]
+        if enabled:
+            raise ValueError(
+                f"{len(enabled)} LoRA layers run PEFT's own LoRA path (enable_adapters(True) was called on them), "
+                "which adds the LoRA at every token besides CCM's conditional one; switch it off again with "
+                "layer.enable_adapters(False): CCM runs the LoRA itself (use model.adapter_disabled() for the base "
+                "model alone)."
             )
 
     def _release_base(self) -> None:
@@ -361,7 +371,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 **{CACHE_ARGUMENT: past_key_values},
                 **kwargs,
             )
-        self._check_attention()
+        self._check_wrapping()
         if segment_ids is None or comp_mask is None or position_ids is None or input_ids is None:
             raise ValueError(
                 "The training forward needs input_ids, segment_ids, comp_mask and position_ids (a CCMDataCollator "
@@ -892,9 +902,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def _check_cache(self, cache: CompressedMemoryCache, call: str) -> _ModelState:
         """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
-        model still attends through CCM's attention, and the cache was made by this model, with these weights, and
-        lives on its device. Returns the model's state (`_state()`) taken before the checks, for the call to
-        hold the model to (`_unchanged_since`): a change during the checks fails the call too."""
+        model still runs as CCM wrapped it (`_check_wrapping`), and the cache was made by this model, with these
+        weights and settings, and lives on its device. Returns the model's state (`_state()`) taken before the
+        checks, for the call to hold the model to (`_unchanged_since`): a change during the checks fails the call
+        too."""
         state = self._state()
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(
@@ -902,7 +913,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
         cache.check_free()
         cache.check_no_call(call)
-        self._check_attention()
+        self._check_wrapping()
         cache.check_signature(self._signature(state))
         cache.check_device(self.device)
         return state
