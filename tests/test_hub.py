@@ -64,6 +64,46 @@ def test_save_then_load_gives_identical_logits_and_generation(tmp_path, base_fol
         assert torch.equal(got, expected)
 
 
+def _two_memories(model):
+    memories = []
+    for _ in range(2):
+        cache = model.new_cache()
+        model.compress(cache, CONTEXT)
+        memories.append(torch.cat([layer.keys for layer in cache.layers]))
+    return memories
+
+
+LOADS = {
+    "from_pretrained": lambda adapter, base: CCMForCausalLM.from_pretrained(adapter),
+    "from_pretrained with a loaded base": lambda adapter, base: CCMForCausalLM.from_pretrained(
+        adapter, base_model=tiny_base("llama")
+    ),
+    "from_base, then load_adapter": lambda adapter, base: _loaded_into(
+        CCMForCausalLM.from_base(base, CCMConfig(lora_dropout=0.5)), adapter
+    ),
+}
+
+
+def _loaded_into(model, adapter):
+    model.load_adapter(adapter)
+    return model
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_loaded_model_compresses_the_same_memory_every_time(tmp_path, base_folder, load):
+    """The LoRA's dropout modules, new in the base model, started in training mode (and the wrapper with them) while
+    transformers loads the base in eval mode: every compress of a model just loaded dropped random LoRA inputs, so
+    the same context gave another memory each time. The model now takes its base model's mode."""
+    _adapter(str(base_folder), lora_dropout=0.5).save_pretrained(tmp_path / "adapter")
+    model = LOADS[load](tmp_path / "adapter", str(base_folder))
+    assert not any(module.training for module in model.modules())
+    first, second = _two_memories(model)
+    assert torch.equal(first, second)
+    model.train()  # training mode is the caller's to ask for, and keeps the dropout it trains with
+    first, second = _two_memories(model)
+    assert not torch.equal(first, second)
+
+
 def test_saved_files_are_peft_format_and_hold_no_base_weights(tmp_path, base_folder):
     model = _adapter(str(base_folder), trained_on="synthetic recall")
     model.save_pretrained(tmp_path / "adapter")

@@ -157,6 +157,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._rotary_classes = [(module, type(module)) for module in _frequency_setting_rotaries(base_model)]
         for module, rotary_class in self._rotary_classes:
             module.__class__ = _one_at_a_time(rotary_class)
+        # The LoRA's dropout modules (and this module) start in training mode; transformers loads a base model in eval
+        # mode, where a dropout left on would make every compression of the loaded model random.
+        self.train(base_model.training)
 
     @classmethod
     def from_base(
