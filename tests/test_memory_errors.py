@@ -1,6 +1,7 @@
 """Persistence of a user's memory and the errors that protect it."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
-from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.cache import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
 
 
@@ -485,6 +486,32 @@ def _header(path):
 
     with safe_open(path, framework="pt") as file:
         return file.metadata()[MEMORY_FORMAT]
+
+
+@pytest.mark.parametrize("update", ["concat", "merge"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_memory_loaded_for_another_device_holds_every_tensor_there(tmp_path, update, streaming):
+    """`load` moved the memory and the rows' slots, positions and counts to the model's device but left the rest of
+    the row state (the turn's mask, the pending token) where a new cache makes it, on the CPU: the first compress or
+    generate of a memory loaded for a GPU model failed on tensors of two devices. The meta device stands in for
+    another device here."""
+    model = tiny_ccm("llama", update=update)
+    cache = _filled(model)
+    if streaming:
+        cache = model.new_cache(2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4))
+        model(input_ids=torch.tensor([list(range(3, 23))] * 2), past_key_values=cache)
+    cache.save(tmp_path / "user.safetensors")
+    elsewhere = dataclasses.replace(model.cache_spec(), device=torch.device("meta"))
+    loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", elsewhere)
+    rows = {field.name: getattr(loaded.rows, field.name) for field in dataclasses.fields(loaded.rows)}
+    layers = {
+        f"layers.{index}.{name}": tensor
+        for index, layer in enumerate(loaded.layers)
+        for name, tensor in layer.held().items()
+    }
+    assert {name: tensor.device.type for name, tensor in {**rows, **layers}.items()} == dict.fromkeys(
+        {**rows, **layers}, "meta"
+    )
 
 
 @pytest.mark.parametrize("update", ["concat", "merge"])

@@ -1024,12 +1024,10 @@ class CompressedMemoryCache(Cache):
         content = _MemoryFile(path, metadata, tensors, spec)
         cache = cls(spec, content.batch_size, streaming=content.streaming)
         device = spec.device
-        cache.rows = replace(
-            cache.rows,
-            memory_mask=tensors["memory_mask"].to(device),
-            next_position=tensors["next_position"].to(device),
-            steps=tensors["steps"].to(device),
-        )
+        # Every row tensor on the model's device, those of the empty turn too: a call moves the rows only when their
+        # positions are elsewhere (`_to`).
+        held = {name: tensors[name] for name in ("memory_mask", "next_position", "steps")}
+        cache.rows = replace(cache.rows, **held).map(lambda tensor: tensor.to(device))
         for index, layer in enumerate(cache.layers):
             state = content.layer_state(index)
             if not state:
