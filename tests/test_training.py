@@ -29,6 +29,7 @@ from transformers_ccm import (
     OnlineSample,
     StreamingConfig,
 )
+from transformers_ccm.baseline import full_context_config
 from transformers_ccm.stream_training import StreamCollator
 from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, train
 
@@ -178,6 +179,8 @@ def test_a_recipe_takes_only_positive_steps(steps, batch_size):
     [
         ("llama", 0.0, "distill_weight is 0"),
         ("mistral", 1.0, "give an adapter of the same base"),
+        # The same architecture and shapes, other weights: its logits are another model's.
+        ("llama-other-weights", 1.0, "runs on other base weights"),
         (None, 1.0, "teacher is the model being trained"),
         # Reading the plain history with its adapter off, it was its base model: teacher=None, without a word.
         ("compression", 1.0, r"is a compression adapter \(conditional_lora=True\).*leave teacher=None"),
@@ -189,6 +192,8 @@ def test_train_refuses_a_teacher_it_cannot_use(tmp_path, teacher_base, distill_w
         teacher = model
     elif teacher_base == "compression":
         teacher = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    elif teacher_base == "llama-other-weights":
+        teacher = CCMForCausalLM.from_base(tiny_base("llama", seed=1), full_context_config(CCMConfig()))
     else:
         teacher = tiny_full_context_baseline(teacher_base)
     recipe = TrainingRecipe(steps=1, batch_size=2, distill_weight=distill_weight)

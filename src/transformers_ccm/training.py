@@ -522,8 +522,8 @@ def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher
 
 def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM) -> None:
     """Raise unless `teacher` can teach `model`: another model, with a LoRA that reads plain prompts (a compression
-    adapter's is off there), of the same base model shape (the teacher's logits are compared with the student's token
-    by token)."""
+    adapter's is off there), on the same base weights (the teacher's logits are compared with the student's token by
+    token)."""
     if teacher is model:
         raise ValueError(
             "The teacher is the model being trained; leave teacher=None to distill from its own base model."
@@ -539,4 +539,13 @@ def _check_teacher(model: CCMForCausalLM, teacher: CCMForCausalLM) -> None:
         raise ValueError(
             f"The distillation teacher was made for {teacher.config.base_model_name_or_path}, not for the base of "
             f"the model being trained ({model.config.base_model_name_or_path}); give an adapter of the same base."
+        )
+    # Same shapes, other weights (another checkpoint or fine-tune of the architecture, another tokenizer behind the
+    # same vocabulary size): its logits are those of another model, and the KL distilled nonsense without a word.
+    if teacher.memory_signature()["base_fingerprint"] != model.memory_signature()["base_fingerprint"]:
+        raise ValueError(
+            f"The distillation teacher runs on other base weights ({teacher.config.base_model_name_or_path}, "
+            f"{teacher.dtype}) than the model being trained ({model.config.base_model_name_or_path}, {model.dtype}): "
+            "the shapes match, the weights or their dtype do not. Give an adapter loaded onto the same base model "
+            "(ccm train: the same --model for both)."
         )
