@@ -5,6 +5,9 @@ import math
 import random
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
@@ -129,6 +132,42 @@ def test_no_gain_to_recover_gives_no_interval():
     assert all(math.isnan(bound) for bound in gain_recovered_interval(no, full, no, "accuracy"))
     assert gain_text({"value": float("nan"), "interval": [0.2, 0.4]}) == "n/a (no gain to recover)"
     assert gain_text({"value": 0.25, "interval": [0.1, 0.4]}) == "25% [10%, 40%]" and gain_text(None) == "-"
+
+
+@pytest.fixture(scope="module")
+def indifferent(tokenizer) -> CCMForCausalLM:
+    """An adapter whose base model gives every token the same probability (a zero LM head): it scores every
+    choice alike, under every method."""
+    model = _model(tokenizer, seed=1, num_comp_tokens=1)
+    with torch.no_grad():
+        model.base_model.get_output_embeddings().weight.zero_()
+    return model
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3), min_size=2, max_size=4),
+    answer=st.integers(0, 3),
+    method=st.sampled_from(["no_context", "full_context", "ccm"]),
+)
+def test_choices_tied_for_the_best_score_share_the_credit(indifferent, tokenizer, lengths, answer, method):
+    """A tie went to the first choice: a model that knows nothing scored 100% wherever the answer was listed first
+    (and 0% elsewhere). Tied choices share the credit, as a random pick among them would: 1/k of k."""
+    choices = [[10 + index] * length for index, length in enumerate(lengths)]
+    answer %= len(choices)
+    samples = [OnlineSample([[5, 6], [7]], [8], choices[answer], choices=choices)] * 2
+    score = score_samples(indifferent, tokenizer, samples, method, "accuracy")
+    assert score.per_sample == [(1 / len(choices), 1)] * 2
+    assert score.value == pytest.approx(1 / len(choices))
+    assert (score.low, score.high) == pytest.approx(wilson_interval(2 / len(choices), 2))
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_a_choice_listed_twice_is_refused(ccm, tokenizer, method):
+    """Its copies always tie: the answer listed twice earned half credit when it won."""
+    twice = OnlineSample([[5, 6]], [7], [8, 9], choices=[[8, 9], [10], [8, 9]])
+    with pytest.raises(ValueError, match=r"samples\[1\] lists the choice \[8, 9\] \(token ids\) more than once"):
+        score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]]), twice], method, "accuracy")
 
 
 @pytest.mark.parametrize("task", ["icl", "dialogue"])

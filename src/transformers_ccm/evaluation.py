@@ -1,10 +1,11 @@
 """Evaluation of online tasks: no context, full context and CCM, at given time steps.
 
-Accuracy follows the MetaICL protocol (the choice with the highest mean log-likelihood per token wins);
-perplexity is over the output tokens. Every method scores the same samples; the KV memory it needs is
-reported in tokens (context part and peak) and bytes. Every score comes with a 95% interval: Wilson's for
-accuracy, a bootstrap over samples for perplexity; gain recovered and the difference between two adapters get
-a paired bootstrap (the methods share their samples, so one resample of samples re-scores all of them).
+Accuracy follows the MetaICL protocol (the choice with the highest mean log-likelihood per token wins; when k
+choices tie for the highest, the answer among them earns 1/k, as a random pick among them would); perplexity is
+over the output tokens. Every method scores the same samples; the KV memory it needs is reported in tokens
+(context part and peak) and bytes. Every score comes with a 95% interval: Wilson's for accuracy, a bootstrap over
+samples for perplexity; gain recovered and the difference between two adapters get a paired bootstrap (the methods
+share their samples, so one resample of samples re-scores all of them).
 """
 
 from __future__ import annotations
@@ -42,16 +43,18 @@ class MethodScore:
     peak_kv_tokens: int  # the most KV slots any sample needed (context + input + output)
     peak_kv_bytes: int
     samples: int
-    # per sample (numerator, denominator) of the value: (correct, 1) for accuracy, (output NLL, output tokens)
-    # for perplexity; kept so that intervals and paired comparisons can be recomputed from eval.json
+    # per sample (numerator, denominator) of the value: (credit, 1) for accuracy (1 right, 0 wrong, 1/k when the
+    # answer ties with k - 1 other choices for the best score), (output NLL, output tokens) for perplexity; kept so
+    # that intervals and paired comparisons can be recomputed from eval.json
     per_sample: list[tuple[float, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson's score interval of an accuracy `correct / total` (sound near 0 and 1, and for small totals)."""
+def wilson_interval(correct: float, total: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson's score interval of an accuracy `correct / total` (sound near 0 and 1, and for small totals);
+    `correct` may hold fractional credit of tied choices."""
     if total <= 0:
         raise ValueError(f"An interval needs at least one sample, got total={total}.")
     share = correct / total
@@ -79,7 +82,7 @@ def _log_score(per_sample: Sequence[Sequence[float]], metric: str, index: torch.
 def value_interval(per_sample: Sequence[Sequence[float]], metric: str) -> tuple[float, float]:
     """The 95% interval of an accuracy (Wilson) or a perplexity (percentile bootstrap over samples)."""
     if metric == "accuracy":
-        return wilson_interval(round(sum(c for c, _ in per_sample)), len(per_sample))
+        return wilson_interval(sum(c for c, _ in per_sample), len(per_sample))
     log_perplexity = -_log_score(per_sample, metric, _resamples(len(per_sample)))
     low, high = torch.quantile(log_perplexity, torch.tensor([0.025, 0.975], dtype=torch.float64)).exp().tolist()
     return low, high
@@ -165,6 +168,13 @@ def score_samples(
             )
         if metric == "accuracy" and not all(candidates):  # the output is one of the choices
             raise ValueError(f"samples[{i}] has an empty choice, which has no token to score; list non-empty choices.")
+        # Two choices of the same tokens always tie: the answer listed twice would earn half credit when it wins.
+        choices = [tuple(tokens) for tokens in candidates[1:]]
+        if metric == "accuracy" and len(set(choices)) < len(choices):
+            twice = next(tokens for index, tokens in enumerate(choices) if tokens in choices[:index])
+            raise ValueError(
+                f"samples[{i}] lists the choice {list(twice)!r:.80} (token ids) more than once; list each choice once."
+            )
         if metric == "perplexity" and not (sample.output is not None and candidates[0]):
             raise ValueError(
                 f"samples[{i}].output is empty: perplexity needs at least one token of it to score; give the reference "
@@ -237,8 +247,11 @@ def score_samples(
         for row in range(len(batch)):
             context_tokens += memory[row] + (sum(map(len, contexts[row])) if method == "full_context" else 0)
             if metric == "accuracy":
-                best = max(range(len(scores[row])), key=scores[row].__getitem__)
-                per_sample[indices[row]] = (float(best == answers[row]), 1)
+                # A tie went to the first choice listed: a model that scores every choice alike was right whenever
+                # the answer came first.
+                best = max(scores[row])
+                winners = [index for index, score in enumerate(scores[row]) if score == best]
+                per_sample[indices[row]] = (1 / len(winners) if answers[row] in winners else 0.0, 1)
     score = _log_score(per_sample, metric).item()
     low, high = value_interval(per_sample, metric)
     return MethodScore(
