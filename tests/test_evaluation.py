@@ -130,8 +130,27 @@ def test_no_gain_to_recover_gives_no_interval():
     full = no[::-1]  # other samples right, the same accuracy
     assert math.isnan(gain_recovered(0.5, 0.5, 0.6, "accuracy"))
     assert all(math.isnan(bound) for bound in gain_recovered_interval(no, full, no, "accuracy"))
-    assert gain_text({"value": float("nan"), "interval": [0.2, 0.4]}) == "n/a (no gain to recover)"
+    no_gain = "n/a (full context does not beat no context: no gain to recover)"
+    assert gain_text({"value": float("nan"), "interval": [0.2, 0.4]}) == no_gain
+    assert gain_text({"value": None, "interval": [None, None]}) == no_gain  # as eval.json stores it
     assert gain_text({"value": 0.25, "interval": [0.1, 0.4]}) == "25% [10%, 40%]" and gain_text(None) == "-"
+
+
+def test_a_full_context_loss_is_no_gain_to_recover():
+    """Full context below no context: CCM further below read as a positive share of the "gain" (here 50%)."""
+    assert math.isnan(gain_recovered(0.5, 0.4, 0.45, "accuracy"))
+    assert math.isnan(gain_recovered(10.0, 12.0, 11.0, "perplexity"))
+    no = [(1.0, 1)] * 10 + [(0.0, 1)] * 10
+    worse = no[2:] + [(0.0, 1)] * 2
+    assert all(math.isnan(bound) for bound in gain_recovered_interval(no, worse, no, "accuracy"))
+
+
+def test_a_gain_without_an_interval_prints_no_nan():
+    """Full context beats no context on the samples but in under half of the resamples (`gain_recovered_interval`
+    gives NaN, eval.json null): the interval printed as "[nan%, nan%]"."""
+    expected = "30% [no interval: full context beats no context in under half the resamples]"
+    assert gain_text({"value": 0.3, "interval": [float("nan"), float("nan")]}) == expected
+    assert gain_text({"value": 0.3, "interval": [None, None]}) == expected
 
 
 @pytest.fixture(scope="module")

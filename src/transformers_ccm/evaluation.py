@@ -270,11 +270,13 @@ def score_samples(
 
 
 def gain_recovered(no_context: float, full_context: float, ccm: float, metric: str) -> float:
-    """The share of full context's gain over no context that CCM keeps (on log-perplexity for perplexity)."""
+    """The share of full context's gain over no context that CCM keeps (on log-perplexity for perplexity); NaN
+    where full context does not beat no context: there is no gain to recover, and the ratio of a loss would read
+    as CCM recovering what it lost (CCM below no context over a negative gain gives a positive share)."""
     if metric == "perplexity":
         no_context, full_context, ccm = (-math.log(v) for v in (no_context, full_context, ccm))
     gain = full_context - no_context
-    return (ccm - no_context) / gain if gain else float("nan")
+    return (ccm - no_context) / gain if gain > 0 else float("nan")
 
 
 def gain_recovered_interval(
@@ -284,18 +286,18 @@ def gain_recovered_interval(
     metric: str,
 ) -> tuple[float, float]:
     """95% paired-bootstrap interval of `gain_recovered` from the three methods' `per_sample` scores on the
-    same samples (NaN, NaN when the samples, or most resamples, show no gain to recover)."""
+    same samples, over the resamples where full context beats no context (NaN, NaN when the samples, or most
+    resamples, show no gain to recover)."""
     if not len(no_context) == len(full_context) == len(ccm):
         raise ValueError(
             f"Gain recovered compares methods on the same samples; got {len(no_context)}, {len(full_context)} "
             f"and {len(ccm)} samples."
         )
-    if _log_score(full_context, metric) == _log_score(no_context, metric):
+    if _log_score(full_context, metric) <= _log_score(no_context, metric):
         return float("nan"), float("nan")
     index = _resamples(len(ccm), seed=1)
     no, full, compressed = (_log_score(scores, metric, index) for scores in (no_context, full_context, ccm))
-    gains = (compressed - no) / (full - no)
-    gains = gains[gains.isfinite()]
+    gains = ((compressed - no) / (full - no))[full > no]
     if gains.numel() < BOOTSTRAP_RESAMPLES // 2:
         return float("nan"), float("nan")
     low, high = torch.quantile(gains, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
@@ -444,13 +446,21 @@ def _with_interval(value: float, interval: Sequence[float]) -> str:
 
 
 def gain_text(gain: Row | None) -> str:
-    """A summary row's gain recovered as "62% [48%, 75%]" ("-" when not measured, "n/a" when there is no gain)."""
+    """A summary row's gain recovered as "62% [48%, 75%]" ("-" when not measured, "n/a" with the reason when
+    there is no gain, the value alone when most resamples show none)."""
     if gain is None:
         return "-"
-    if math.isnan(gain["value"]):
-        return "n/a (no gain to recover)"
+    if not _is_number(gain["value"]):
+        return "n/a (full context does not beat no context: no gain to recover)"
     low, high = gain["interval"]
+    if not (_is_number(low) and _is_number(high)):
+        return f"{gain['value']:.0%} [no interval: full context beats no context in under half the resamples]"
     return f"{gain['value']:.0%} [{low:.0%}, {high:.0%}]"
+
+
+def _is_number(value: float | None) -> bool:
+    """Whether `value` is a finite number (eval.json writes the others as null)."""
+    return value is not None and math.isfinite(value)
 
 
 def difference_text(difference: Row | None, metric: str) -> str:
