@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_ccm, tiny_llama_for
-from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.evaluation import kv_bytes_per_token
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +283,45 @@ def test_full_context_chat_refuses_a_turn_while_another_runs(tokenizer, chat_mod
         handle.remove()
     assert len(refusals) == 1 and "is answering another message" in str(refusals[0])
     assert reply == clean.turn("Hi! I'm Maria.") and chat.history == clean.history
+
+
+class _CountingSession(ChatSession):
+    """A session that also counts, turn by turn, the tokens its exchanges hold: prompt, generated and closing ids."""
+
+    counted = 0
+
+    def _reply(self, input_ids, model, cache):
+        generated, reply, closing = super()._reply(input_ids, model, cache)
+        self.counted += len(input_ids) + len(generated) + len(closing)
+        return generated, reply, closing
+
+
+@pytest.fixture(scope="module")
+def few_positions_model(tokenizer):
+    """The chat model with 48 positions: a conversation of a few turns passes them and its memory gets re-based."""
+    base = tiny_llama_for(tokenizer)
+    base.config.max_position_embeddings = 48
+    return randomize_adapter(CCMForCausalLM.from_base(base, CCMConfig(update="concat")))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reloads=st.lists(st.booleans(), min_size=3, max_size=5))
+def test_the_history_count_survives_saving_and_loading_the_memory(tmp_path, tokenizer, few_positions_model, reloads):
+    """`ccm chat --memory-file` starts each run with the memory of the last: the full-context count began at 0 again
+    (and, past the model's positions, where the memory had been re-based). Reloaded at any turns, a session counts
+    what the uninterrupted one does: every token of every exchange."""
+    model = few_positions_model
+    path = tmp_path / "memory.safetensors"
+    uninterrupted = _CountingSession(model, tokenizer, max_new_tokens=4)
+    reloaded = ChatSession(model, tokenizer, max_new_tokens=4)
+    for turn, reload in enumerate(reloads):
+        message = f"Message {turn}: I am Maria."
+        uninterrupted.turn(message)
+        if reload:
+            reloaded.cache.save(path)
+            reloaded = ChatSession(model, tokenizer, CompressedMemoryCache.load(path, model), max_new_tokens=4)
+        report = reloaded.turn(message)
+        assert report.full_context_tokens == reloaded.history_tokens == uninterrupted.history_tokens
+        assert uninterrupted.history_tokens == uninterrupted.counted
+        assert report.full_context_bytes == reloaded.history_tokens * kv_bytes_per_token(model)
+    assert int(uninterrupted.cache.next_position[0]) <= 48 < uninterrupted.history_tokens  # it was re-based

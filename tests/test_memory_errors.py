@@ -231,6 +231,9 @@ CRAFTED = {
     ),
     "an extra tensor": ({"tensors": _with("layers.9.keys", torch.zeros(1))}, "unexpected tensors"),
     "a negative position": ({"tensors": _with("next_position", torch.tensor([-3, 2]))}, "must be >= 0"),
+    "a negative re-basing": ({"tensors": _with("rebased", torch.tensor([0, -1]))}, "must be >= 0"),
+    "a re-basing of another dtype": ({"tensors": _with("rebased", torch.zeros(2, dtype=torch.int32))}, "'rebased' is"),
+    "a history that overflows": ({"tensors": _with("rebased", torch.tensor([2**63 - 1, 0]))}, "must be >= 0"),
     "a position past the model's": (
         {"tensors": _with("next_position", torch.tensor([2**62, 5]))},
         "'next_position' [4611686018427387904, 5] passes the model's 512 positions",

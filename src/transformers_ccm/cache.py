@@ -97,6 +97,8 @@ class RowState:
         turn_mask: `(batch, turn)` bool, the real (non-padding) tokens of the current turn.
         next_position: `(batch,)` long, the logical ("skip") position of each row's next token.
         steps: `(batch,)` long, contexts (streaming: chunks) compressed so far.
+        rebased: `(batch,)` long, how far re-basing has moved each row's positions back in all: `next_position +
+            rebased` counts the ordinary tokens the row has taken in.
         pending_ids, pending_mask: `(batch, 0 or 1)`, the token `generate()` produced last, which has no
             keys/values yet (folding the turn runs it), and whether it is real.
     """
@@ -105,6 +107,7 @@ class RowState:
     turn_mask: torch.Tensor
     next_position: torch.Tensor
     steps: torch.Tensor
+    rebased: torch.Tensor
     pending_ids: torch.Tensor
     pending_mask: torch.Tensor
 
@@ -115,6 +118,7 @@ class RowState:
             turn_mask=torch.zeros(batch_size, 0, dtype=torch.bool),
             next_position=torch.zeros(batch_size, dtype=torch.long),
             steps=torch.zeros(batch_size, dtype=torch.long),
+            rebased=torch.zeros(batch_size, dtype=torch.long),
             pending_ids=torch.zeros(batch_size, 0, dtype=torch.long),
             pending_mask=torch.zeros(batch_size, 0, dtype=torch.bool),
         )
@@ -399,6 +403,13 @@ class CompressedMemoryCache(Cache):
         return self.rows.steps
 
     @property
+    def history_tokens(self) -> torch.Tensor:
+        """`(batch,)` long: the ordinary tokens (contexts, inputs, replies; no `<COMP>` slot) each row of a compressed
+        memory has taken in, what a full-context model would hold for the same history. Re-basing positions does not
+        change it, and it survives `save` and `load`."""
+        return self.rows.next_position + self.rows.rebased
+
+    @property
     def pending_ids(self) -> torch.Tensor:
         return self.rows.pending_ids
 
@@ -648,7 +659,7 @@ class CompressedMemoryCache(Cache):
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
                 layer.rebase(self.rotation, index, -delta)
-        self.rows = replace(self.rows, next_position=self.rows.next_position - delta)
+        self.rows = replace(self.rows, next_position=self.rows.next_position - delta, rebased=self.rows.rebased + delta)
         logger.info("Re-based the positions of %d row(s) by up to %d.", int((delta > 0).sum()), int(delta.max()))
 
     def begin_generation(self) -> None:
@@ -984,6 +995,8 @@ class CompressedMemoryCache(Cache):
             "next_position": rows.next_position,
             "steps": rows.steps,
         }
+        if bool(rows.rebased.any()):  # only then: a file of a memory never re-based stays readable by earlier releases
+            tensors["rebased"] = rows.rebased
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
                 tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer.held().items()})
@@ -1027,6 +1040,7 @@ class CompressedMemoryCache(Cache):
         # Every row tensor on the model's device, those of the empty turn too: a call moves the rows only when their
         # positions are elsewhere (`_to`).
         held = {name: tensors[name] for name in ("memory_mask", "next_position", "steps")}
+        held["rebased"] = tensors.get("rebased", torch.zeros_like(tensors["steps"]))
         cache.rows = replace(cache.rows, **held).map(lambda tensor: tensor.to(device))
         for index, layer in enumerate(cache.layers):
             state = content.layer_state(index)
@@ -1146,8 +1160,13 @@ class _MemoryFile:
         self._tensor("memory_mask", torch.bool, (batch, width))
         self._tensor("next_position", torch.long, (batch,))
         steps = self._tensor("steps", torch.long, (batch,))
-        if bool((positions < 0).any()) or bool((steps < 0).any()):
-            raise self._fail("'next_position' and 'steps' must be >= 0")
+        # Written only for a memory that was re-based (files before it never are).
+        rebased = torch.zeros_like(steps)
+        if "rebased" in self.tensors:
+            rebased = self._tensor("rebased", torch.long, (batch,))
+        # Their sum is the row's history in tokens: one that overflows int64 wraps to a negative count.
+        if any(bool((values < 0).any()) for values in (positions, steps, rebased, positions + rebased)):
+            raise self._fail("'next_position', 'steps', 'rebased' and 'next_position' + 'rebased' must be >= 0")
         config, n = self.spec.config, self.spec.config.num_comp_tokens
         if self.streaming is not None:
             most = self.streaming.memory_slots(config)
@@ -1226,7 +1245,7 @@ class _MemoryFile:
         length = memory
         if self.streaming is not None:
             length = self.stream_state["sink_length"] + memory + self.stream_state["window_length"]
-        known = {"memory_mask", "next_position", "steps"}
+        known = {"memory_mask", "next_position", "steps", "rebased"}
         for index in range(spec.num_layers):
             if length == 0:
                 continue

@@ -180,17 +180,21 @@ class ChatSession(_Conversation):
         if cache is not None:
             _check_conversation_memory(model, cache)
         self.cache = cache if cache is not None else model.new_cache()
-        self.history_tokens = 0  # what a full-context model would hold for the same conversation
+
+    @property
+    def history_tokens(self) -> int:
+        """The tokens a full-context model would hold for the conversation so far, read from the memory: a session
+        given a memory loaded from a file counted from 0 again."""
+        return int(self.cache.history_tokens[0])
 
     def turn(self, message: str) -> TurnReport:
         """Answer `message`, fold the exchange into memory, and report the memory held."""
         prompt = self.prompt_ids(message)
         # One step: a failure while folding must not leave the reply in the cache as an unfolded turn.
         with self.cache.transaction():
-            generated, reply_ids, closing = self._reply(prompt, self.model, self.cache)
+            _, reply_ids, closing = self._reply(prompt, self.model, self.cache)
             # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
             self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
-        self.history_tokens += len(prompt) + len(generated) + len(closing)
         per_token = kv_bytes_per_token(self.model)
         return TurnReport(
             reply=self._text(reply_ids),
