@@ -257,6 +257,7 @@ def test_similar_length_batches_hold_every_sample_once_longest_first(lengths, ba
     sampler = SimilarLengthSampler(lengths, batch_size, seed, group)
     batches = sampler.batches()
     assert sorted(index for batch in batches for index in batch) == list(range(len(lengths)))
+    assert all(len(batch) == batch_size for batch in batches[:-1])  # the one short batch comes last
     assert all(len(batch) <= batch_size for batch in batches)
     if lengths:
         assert max(lengths) in [lengths[index] for index in batches[0]]
@@ -265,6 +266,36 @@ def test_similar_length_batches_hold_every_sample_once_longest_first(lengths, ba
     whole = SimilarLengthSampler(lengths, batch_size, seed, group=len(lengths) + 1).batches()
     ranges = sorted((min(lengths[i] for i in batch), max(lengths[i] for i in batch)) for batch in whole)
     assert all(high <= low for (_, high), (low, _) in itertools.pairwise(ranges))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=150),
+    per_device=st.integers(1, 5),
+    accumulation=st.integers(1, 3),
+    processes=st.integers(1, 4),
+    group=st.integers(1, 4),
+)
+def test_each_process_gets_as_many_batches_each_a_piece_of_one_similar_length_batch(
+    lengths, per_device, accumulation, processes, group
+):
+    """As the Trainer runs it under DDP: a DataLoader cuts the stream into per-device batches and accelerate deals
+    them out (`BatchSamplerShard`, even batches). The short batch, shuffled into the middle, shifted every cut after
+    it: those batches straddled two batches of unlike lengths (on 1003 samples, the spread of lengths within a batch
+    rose about tenfold)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    sampler = SimilarLengthSampler(lengths, per_device * accumulation, seed=0, group=group)
+    owner = {index: number for number, batch in enumerate(sampler.batches()) for index in batch}
+    cuts = torch.utils.data.BatchSampler(sampler, per_device, drop_last=False)
+    shards = [list(BatchSamplerShard(cuts, processes, rank, even_batches=True)) for rank in range(processes)]
+    assert len({len(shard) for shard in shards}) == 1  # no process waits for a step the others never take
+    dealt = [batch for round_ in zip(*shards, strict=True) for batch in round_]
+    # Every sample once in the first batches; accelerate then fills the last one and round from the stream's start.
+    unique = -(-len(lengths) // per_device)
+    once = [index for batch in dealt[: unique - 1] for index in batch]
+    assert len(set(once)) == len(once) and {index for batch in dealt[:unique] for index in batch} == set(owner)
+    assert all(len({owner[index] for index in batch}) == 1 for batch in dealt[: unique - 1])
 
 
 def test_ccm_train_groups_by_length_unless_told_not_to():

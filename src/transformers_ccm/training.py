@@ -40,8 +40,14 @@ GPU_PAD_MULTIPLE = 128
 class SimilarLengthSampler(torch.utils.data.Sampler[int]):
     """Sample indices in batches of samples of similar length: shuffled, sorted by length within groups of
     `group` batches, cut into batches of `batch_size`, and the batches shuffled, the one holding the longest sample
-    first (a run that runs out of memory does so at its first step). Unlike transformers' `LengthGroupedSampler`,
-    whose batches run from long to short within each group, no stretch of a run sees only short or long samples."""
+    first (a run that runs out of memory does so at its first step) and the one short batch, if any, last. Unlike
+    transformers' `LengthGroupedSampler`, whose batches run from long to short within each group, no stretch of a run
+    sees only short or long samples.
+
+    The indices come out as one stream, which the DataLoader cuts into batches of the per-device batch size (a
+    divisor of `batch_size`) and accelerate deals out to the processes in turn: every batch but the last is one
+    piece of one of these batches. Under DDP every process draws the same stream (the seed is shared), and
+    accelerate's even batches give each process as many batches, the last round filled from the stream's start."""
 
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group: int = 50) -> None:
         self.lengths = list(lengths)
@@ -65,16 +71,24 @@ class SimilarLengthSampler(torch.utils.data.Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         shuffled = torch.randperm(len(self.lengths), generator=generator).tolist()
         span = self.group * self.batch_size
+        groups = [shuffled[start : start + span] for start in range(0, len(shuffled), span)]
+        if len(groups) > 1 and len(groups[-1]) < self.batch_size:
+            # A last group smaller than a batch joins the one before: the short batch then holds the shortest samples
+            # of a group, never the longest sample, which must come first.
+            groups[-2:] = [groups[-2] + groups[-1]]
         batches = []
-        for start in range(0, len(shuffled), span):
-            by_length = sorted(shuffled[start : start + span], key=self.lengths.__getitem__, reverse=True)
+        for members in groups:
+            by_length = sorted(members, key=self.lengths.__getitem__, reverse=True)
             batches += [by_length[i : i + self.batch_size] for i in range(0, len(by_length), self.batch_size)]
+        # The short batch (the last one cut) goes last: in the middle it shifted the DataLoader's cuts of every batch
+        # after it, each then straddling two batches of unlike lengths.
+        short = [batches.pop()] if batches and len(batches[-1]) < self.batch_size else []
         if not batches:
-            return []
+            return short
         order = torch.randperm(len(batches), generator=generator).tolist()
         longest = max(range(len(batches)), key=lambda index: self.lengths[batches[index][0]])
         order.remove(longest)
-        return [batches[index] for index in [longest, *order]]
+        return [batches[index] for index in [longest, *order]] + short
 
     def __iter__(self) -> Iterator[int]:
         return (index for batch in self.batches() for index in batch)
