@@ -70,6 +70,39 @@ def test_ids_that_are_no_token_of_the_model_are_refused_naming_the_sample(sample
         CCMDataCollator(model)([sample])
 
 
+def _character_tokenizer(text, add_special_tokens=True):
+    return {"input_ids": [ord(ch) for ch in text] if isinstance(text, str) else [[ord(ch) for ch in t] for t in text]}
+
+
+@pytest.mark.parametrize(
+    ("sample", "error", "message"),
+    [
+        # A context without its list: one context per character (tokenized) or per id.
+        (OnlineSample("ab", [8], [9]), ValueError, r"samples\[0\].contexts is a single str; give a list"),
+        (OnlineSample([5, 6], [8], [9]), ValueError, r"samples\[0\].contexts holds token ids, not a list of them"),
+        (OnlineSample(torch.tensor([5, 6]), [8], [9]), ValueError, r"samples\[0\].contexts is a single Tensor"),
+        # An unordered collection: its contexts in any order.
+        (OnlineSample({"ab", "cd"}, [8], [9]), ValueError, r"samples\[0\].contexts must be a list.*got set"),
+        # A lone id or nothing failed with "'int' object is not iterable", a set of ids came in any order.
+        (OnlineSample([[5]], 8, [9]), ValueError, r"samples\[0\].input must be a string or a sequence of token ids"),
+        (OnlineSample([[5]], None, [9]), ValueError, r"samples\[0\].input must be a string or a sequence"),
+        (OnlineSample([[5]], [8], {9, 10}), ValueError, r"samples\[0\].output must be a string or a sequence"),
+        # The rows of a batch of ids were run together as one.
+        (OnlineSample([[5]], torch.tensor([[8], [9]]), [9]), ValueError, r"samples\[0\].input is a tensor of shape"),
+        ({"contexts": [[5]], "input": [8], "output": [9]}, TypeError, r"samples\[0\] is a dict, not an OnlineSample"),
+    ],
+)
+def test_samples_of_the_wrong_form_are_refused_naming_the_field(sample, error, message):
+    collate = CCMDataCollator(tiny_ccm("llama"), tokenizer=_character_tokenizer)
+    with pytest.raises(error, match=message):
+        collate([sample])
+    if isinstance(sample, dict) or "contexts" in message:  # what tokenizing reads: it leaves ids as they are
+        with pytest.raises(error, match=message):
+            collate.tokenized([sample])
+    one_row = OnlineSample([[5, 6]], torch.tensor([[8, 9]]), [9])  # as a tokenizer's return_tensors="pt" gives it
+    assert torch.equal(collate([one_row])["input_ids"], collate([OnlineSample([[5, 6]], [8, 9], [9])])["input_ids"])
+
+
 def test_text_that_another_models_tokenizer_reads_past_the_vocabulary_is_refused():
     def tokenizer(text, add_special_tokens=True):
         return {"input_ids": [VOCAB + ord(ch) for ch in text]}

@@ -189,6 +189,20 @@ def test_a_choice_listed_twice_is_refused(ccm, tokenizer, method):
         score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]]), twice], method, "accuracy")
 
 
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_contexts_or_choices_without_their_list_are_refused(ccm, tokenizer, method):
+    """One string as the contexts (or the choices) was read as one context (or choice) per character."""
+    good = OnlineSample(["Ann likes tea."], "Ann likes", "a", choices=["a", "b"])
+    for bad, field in (
+        (OnlineSample("Ann likes tea.", "Ann likes", "a", choices=["a", "b"]), "contexts"),
+        (OnlineSample(["Ann likes tea."], "Ann likes", "a", choices="ab"), "choices"),
+    ):
+        with pytest.raises(ValueError, match=rf"samples\[1\].{field} is a single str; give a list"):
+            score_samples(ccm, tokenizer, [good, bad], method, "accuracy")
+    with pytest.raises(TypeError, match=r"samples\[0\] is a dict, not an OnlineSample"):
+        score_samples(ccm, tokenizer, [{"contexts": [], "input": "a", "output": "b"}], method, "perplexity")
+
+
 @pytest.mark.parametrize("task", ["icl", "dialogue"])
 def test_scores_carry_intervals_and_per_sample_values(ccm, tokenizer, task):
     samples = make_samples(task, "test", 12, seed=0, steps=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.data import OnlineSample, Tokenizer, token_ids
+from transformers_ccm.data import OnlineSample, Tokenizer, sample_entries, token_ids
 
 FULL_CONTEXT_BASELINE = "fine-tuned full-context baseline"
 
@@ -32,6 +32,8 @@ def as_plain_prompt(sample: OnlineSample, tokenizer: Tokenizer | None = None) ->
     as the collator does) as its input: what the baseline reads. Scoring these with the online path, e.g.
     `score_samples(baseline, tokenizer, plain, "ccm", metric)`, scores the baseline (no memory is compressed)."""
     history = [
-        token for j, context in enumerate(sample.contexts) for token in token_ids(context, tokenizer, f"c({j + 1})")
+        token
+        for j, context in enumerate(sample_entries(sample.contexts, "the sample's contexts"))
+        for token in token_ids(context, tokenizer, f"c({j + 1})")
     ]
     return replace(sample, contexts=[], input=history + token_ids(sample.input, tokenizer, "the input"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -44,8 +44,19 @@ def token_ids(
         # Checked, not cast: int(5.7) would silently train on another token, and -1 or an id past the vocabulary
         # would fail inside the embedding with torch's IndexError.
         if isinstance(tokens, torch.Tensor):
+            # One row, as a tokenizer's return_tensors="pt" gives it; the rows of a batch were run together as one.
+            if tokens.dim() != 1 and not (tokens.dim() == 2 and tokens.shape[0] == 1):
+                raise ValueError(
+                    f"{where} is a tensor of shape {tuple(tokens.shape)}; give one sequence of token ids: shape (n,) "
+                    "or (1, n)."
+                )
             integral = not tokens.is_floating_point() and not tokens.is_complex() and tokens.dtype != torch.bool
             ids = tokens.reshape(-1).tolist()
+        elif not isinstance(tokens, Iterable) or isinstance(tokens, (set, frozenset, Mapping)):
+            # A lone id or None failed with "'int' object is not iterable"; a set gave its ids in any order.
+            raise ValueError(
+                f"{where} must be a string or a sequence of token ids, got {type(tokens).__name__} {tokens!r:.80}."
+            )
         else:
             ids = list(tokens)
             integral = all(isinstance(token, Integral) and not isinstance(token, bool) for token in ids)
@@ -65,6 +76,35 @@ def token_ids(
     return ids
 
 
+def check_sample(sample: Any, where: str) -> None:
+    """Raise a TypeError naming `where` unless `sample` is an `OnlineSample` (a dict of its fields failed with an
+    AttributeError)."""
+    if not isinstance(sample, OnlineSample):
+        raise TypeError(
+            f"{where} is a {type(sample).__name__}, not an OnlineSample; build it with OnlineSample(contexts, input, "
+            "output) (a JSONL file: transformers_ccm.tasks.load_jsonl)."
+        )
+
+
+def sample_entries(value: Any, where: str) -> list[Tokens]:
+    """A sample's `contexts` or `choices` as a list, one entry (a string or token ids) each; raise a ValueError naming
+    `where` unless it is such a list. One string or one list of ids (an entry without its list) was read as one entry
+    per character or per id, and an unordered collection gave its entries in any order."""
+    if isinstance(value, str) or (isinstance(value, torch.Tensor) and value.dim() != 2):
+        raise ValueError(
+            f"{where} is a single {type(value).__name__}; give a list, each entry a string or token ids (e.g. [text] "
+            "for one)."
+        )
+    if not isinstance(value, Iterable) or isinstance(value, (set, frozenset, Mapping)):
+        raise ValueError(f"{where} must be a list, each entry a string or token ids; got {type(value).__name__}.")
+    items = list(value)
+    if any(isinstance(item, Integral) for item in items):
+        raise ValueError(
+            f"{where} holds token ids, not a list of them; give a list of token-id lists, e.g. [[5, 6, 7]] for one."
+        )
+    return items
+
+
 def check_position_limit(positions: int, limit: int | None, where: str) -> None:
     """Raise a ValueError naming `where` if `positions` positions (0 .. positions - 1) pass a model's `limit` learned
     absolute positions (`CCMForCausalLM.absolute_position_limit`; None: no limit)."""
@@ -80,7 +120,8 @@ class OnlineSample:
     """One online-inference example at time step `t = len(contexts)`.
 
     `contexts[j]` is `c(j+1)` (for a dialogue: the previous turn), `input` is `I(t)` and `output` is `O(t)`;
-    each is a list of token ids, a 1-D tensor, or a string (then the collator needs a tokenizer).
+    each is a list of token ids, a tensor of shape `(n,)` or `(1, n)`, or a string (then the collator needs a
+    tokenizer). `contexts` (and `choices`) is a list of them, even for one: `[text]`, never `text`.
     `output=None` gives a sample to score or evaluate, with no loss. `choices` (one of them the output) are
     the candidates of a multiple-choice evaluation; training ignores them.
     """
@@ -179,11 +220,14 @@ class CCMDataCollator:
     def tokenized(self, samples: Sequence[OnlineSample]) -> list[OnlineSample]:
         """`samples` with their contexts, inputs and outputs as token ids, from one batched tokenizer call: batches
         of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem)."""
+        for index, sample in enumerate(samples):
+            check_sample(sample, f"samples[{index}]")
+        contexts = [sample_entries(s.contexts, f"samples[{index}].contexts") for index, s in enumerate(samples)]
         strings = list(
             dict.fromkeys(
                 text
-                for sample in samples
-                for text in (*sample.contexts, sample.input, sample.output)
+                for sample, entries in zip(samples, contexts, strict=True)
+                for text in (*entries, sample.input, sample.output)
                 if isinstance(text, str)
             )
         )
@@ -197,11 +241,11 @@ class CCMDataCollator:
         return [
             replace(
                 sample,
-                contexts=[as_ids(context) for context in sample.contexts],
+                contexts=[as_ids(context) for context in entries],
                 input=as_ids(sample.input),
                 output=None if sample.output is None else as_ids(sample.output),
             )
-            for sample in samples
+            for sample, entries in zip(samples, contexts, strict=True)
         ]
 
     def sequence_length(self, sample: OnlineSample, index: int = 0) -> int:
@@ -219,10 +263,11 @@ class CCMDataCollator:
 
     def _token_lists(self, index: int, sample: OnlineSample) -> tuple[list[list[int]], list[int], list[int]]:
         """The token ids of the sample's contexts, input and output (none without an output)."""
+        check_sample(sample, f"samples[{index}]")
         vocabulary = self.vocabulary
         contexts = [
             token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]", vocabulary=vocabulary)
-            for j, context in enumerate(sample.contexts)
+            for j, context in enumerate(sample_entries(sample.contexts, f"samples[{index}].contexts"))
         ]
         inputs = token_ids(sample.input, self.tokenizer, f"samples[{index}].input", vocabulary=vocabulary)
         outputs = (

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import OnlineSample, check_position_limit, token_ids
+from transformers_ccm.data import OnlineSample, check_position_limit, check_sample, sample_entries, token_ids
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 
@@ -144,15 +144,23 @@ def score_samples(
     # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
     # compress and the online forward).
     vocabulary = model.vocabulary_size
+    for i, sample in enumerate(samples):
+        check_sample(sample, f"samples[{i}]")
     histories = [
-        [token_ids(c, tokenizer, f"samples[{i}].contexts[{j}]", True, vocabulary) for j, c in enumerate(s.contexts)]
+        [
+            token_ids(c, tokenizer, f"samples[{i}].contexts[{j}]", True, vocabulary)
+            for j, c in enumerate(sample_entries(s.contexts, f"samples[{i}].contexts"))
+        ]
         for i, s in enumerate(samples)
     ]
     questions = [token_ids(s.input, tokenizer, f"samples[{i}].input", True, vocabulary) for i, s in enumerate(samples)]
     for i, sample in enumerate(samples):
         candidates = [
             token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary)
-            for tokens in (sample.output, *(sample.choices or ()))
+            for tokens in (
+                sample.output,
+                *(sample_entries(sample.choices, f"samples[{i}].choices") if sample.choices is not None else ()),
+            )
             if tokens is not None
         ]
         if not questions[i]:
