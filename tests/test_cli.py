@@ -788,6 +788,12 @@ def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, 
     for output, arguments, message in (
         (tmp_path / "fresh", [], "holds no checkpoint to resume from; train without --resume"),
         (run, ["--update", "merge"], "holds another adapter (update: checkpoint 'concat' vs model 'merge')"),
+        (
+            run,
+            ["--task", "people"],
+            'was trained on "transformers-ccm built-in task \'mixture\'", and this run trains on "transformers-ccm '
+            "built-in task 'people'\"",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(output), "--resume", *arguments])

@@ -350,6 +350,21 @@ def test_resume_refuses_a_checkpoint_of_another_adapter(tmp_path_factory, two_ch
     assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in folder.iterdir())
 
 
+def test_resume_refuses_a_checkpoint_trained_on_other_samples(tmp_path_factory, two_checkpoints):
+    """It went on from the checkpoint's step and data order on the new samples, and the adapter's card named them."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("other") / "run"
+    shutil.copytree(folder, run)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0, trained_on="my chats"))
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-2 was trained on samples it does not name, and this run trains "
+        r'on "my chats"; resume with the samples of the run that wrote it',
+    ):
+        train(model, None, samples, None, run, TrainingRecipe(steps=3, batch_size=2, save_every=1), resume=True)
+    assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in folder.iterdir())
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -448,7 +448,8 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
     continue with a model of `config` (settings only: `ccm train --resume` asks before any model loads). A checkpoint
     incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
     model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
-    adapter gave it another update rule without a word. The adapter itself is checked as it loads."""
+    adapter gave it another update rule, and one trained on other samples (`trained_on`) the new ones, without a
+    word. The adapter itself is checked as it loads."""
     checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
     if checkpoint is None:
         raise ValueError(
@@ -472,6 +473,15 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
             "the same --update, --num-comp-tokens, --lora-r, --target-modules and --method), or train anew into "
             "another output folder."
         )
+    if saved.trained_on != config.trained_on:
+        # Another task went on from the checkpoint's step and data order without a word, and the final adapter's card
+        # named the new task alone.
+        raise ValueError(
+            f"{checkpoint} was trained on {_named(saved.trained_on)}, and this run trains on "
+            f"{_named(config.trained_on)}; resume with the samples of the run that wrote it (ccm train: the same "
+            f"--task and --trained-on), or train its adapter on to the new samples in another output folder (ccm "
+            f"train --init-adapter {checkpoint})."
+        )
     for name in sorted(os.listdir(checkpoint)):
         if not name.endswith((".pt", ".pth")):
             continue
@@ -484,6 +494,11 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
             raise ValueError(f"{path} is damaged ({error}); {fix}") from None
         if bad_member is not None:
             raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
+
+
+def _named(trained_on: str | None) -> str:
+    """An adapter's `trained_on` as a message says it."""
+    return f'"{trained_on}"' if trained_on else "samples it does not name"
 
 
 def check_fresh_start(output_dir: str | os.PathLike[str]) -> None:
