@@ -766,6 +766,10 @@ def test_a_model_or_adapter_path_that_is_no_folder_is_named(tiny_model, tmp_path
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
+        # Drawn as no sample: the run went without evaluation, without a word.
+        ("--eval-samples -3", "--eval-samples must be at least 0 (0: no evaluation), got -3"),
+        # The Trainer's seed for numpy failed once the model had loaded.
+        ("--seed -1", "--seed must be an integer in 0..4294967295, got -1"),
         ("--distill-teacher some-teacher", "distill_weight is 0, so it would never be asked"),
         ("--method full-context --distill-weight 1", "layout='full_context' trains the fine-tuned full-context"),
         ("--task text --supervision stream --method full-context", "Training on streams needs a compression adapter"),

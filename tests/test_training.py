@@ -159,6 +159,8 @@ def test_train_gives_the_model_back_in_the_mode_it_had(tmp_path, fails):
         ("distill_temperature", 0.0),
         ("stream_piece", 0),
         ("pad_to_multiple_of", 0),
+        ("seed", -1),  # numpy's "Seed must be between 0 and 2**32 - 1", once the model was set up for training
+        ("seed", 2**32),
     ],
 )
 def test_a_recipe_with_a_bad_value_is_refused_before_training(setting, value):

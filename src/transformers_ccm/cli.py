@@ -127,6 +127,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
 
     _check_counts(args, ["stream_chunks", "stream_piece", "compress_chunk"])
+    if args.eval_samples < 0:  # drawn as no sample at all: the run went without evaluation, without a word
+        raise ValueError(f"--eval-samples must be at least 0 (0: no evaluation), got {args.eval_samples}.")
     _check_output_dir(args.output_dir)
     torch.manual_seed(args.seed)
     streaming = (

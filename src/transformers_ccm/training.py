@@ -35,6 +35,8 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 # Batches on a GPU are padded to a multiple of this many positions (the block size of the compiled block-sparse
 # attention, which then compiles for a few lengths only); on CPU they are not.
 GPU_PAD_MULTIPLE = 128
+# The largest seed the Trainer can take (numpy's generator takes 32-bit seeds).
+MAX_SEED = 2**32 - 1
 
 
 class SimilarLengthSampler(torch.utils.data.Sampler[int]):
@@ -249,7 +251,8 @@ class TrainingRecipe:
         _check_recipe(
             self.distill_temperature, "distill_temperature", "a positive number", lambda v: finite_number(v) and v > 0
         )
-        _check_recipe(self.seed, "seed", "an integer", is_int)
+        # The Trainer seeds numpy with it, which takes 0 .. 2**32 - 1 and failed only once the model was set up.
+        _check_recipe(self.seed, "seed", f"an integer in 0..{MAX_SEED}", lambda v: is_int(v) and 0 <= v <= MAX_SEED)
         if self.pad_to_multiple_of is not None:
             _check_recipe(self.pad_to_multiple_of, "pad_to_multiple_of", "None or a positive integer", positive_int)
 
