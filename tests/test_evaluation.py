@@ -189,6 +189,13 @@ def test_a_choice_listed_twice_is_refused(ccm, tokenizer, method):
         score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]]), twice], method, "accuracy")
 
 
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
+def test_a_batch_size_that_is_no_positive_integer_is_refused(ccm, tokenizer, batch_size):
+    """-1 ran no batch and scored every sample 0 of 0 (perplexity NaN, accuracy 0); 0 and 2.5 failed inside range()."""
+    with pytest.raises(ValueError, match=rf"batch_size must be a positive integer .*got {batch_size!r}"):
+        score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8])], "ccm", "perplexity", batch_size=batch_size)
+
+
 @pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
 def test_contexts_or_choices_without_their_list_are_refused(ccm, tokenizer, method):
     """One string as the contexts (or the choices) was read as one context (or choice) per character."""

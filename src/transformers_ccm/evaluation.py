@@ -22,6 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers_ccm.data import OnlineSample, check_position_limit, check_sample, sample_entries, token_ids
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.validation import positive_int
 
 METHODS = ("no_context", "full_context", "ccm")
 Z_95 = 1.959963984540054  # the standard normal quantile of 0.975
@@ -137,6 +138,8 @@ def score_samples(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     if not samples:
         raise ValueError("score_samples got no samples.")
+    if not positive_int(batch_size):  # below 0 no batch ran, and every sample scored 0 of 0: a value of NaN
+        raise ValueError(f"batch_size must be a positive integer (samples scored at once), got {batch_size!r}.")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
