@@ -189,6 +189,12 @@ def test_a_choice_listed_twice_is_refused(ccm, tokenizer, method):
         score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]]), twice], method, "accuracy")
 
 
+def test_an_unknown_metric_is_refused(ccm, tokenizer):
+    """It was scored as perplexity and reported under its own name ("acc": 1.7)."""
+    with pytest.raises(ValueError, match=r"metric must be one of \('accuracy', 'perplexity'\), got 'acc'"):
+        score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]])], "ccm", "acc")
+
+
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
 def test_a_batch_size_that_is_no_positive_integer_is_refused(ccm, tokenizer, batch_size):
     """-1 ran no batch and scored every sample 0 of 0 (perplexity NaN, accuracy 0); 0 and 2.5 failed inside range()."""

@@ -25,6 +25,7 @@ from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.validation import positive_int
 
 METHODS = ("no_context", "full_context", "ccm")
+METRICS = ("accuracy", "perplexity")
 Z_95 = 1.959963984540054  # the standard normal quantile of 0.975
 BOOTSTRAP_RESAMPLES = 2000
 Row = dict[str, Any]  # one result or summary row, as eval.json stores it
@@ -136,6 +137,8 @@ def score_samples(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if metric not in METRICS:  # any other name was scored as perplexity and reported under that name
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
     if not samples:
         raise ValueError("score_samples got no samples.")
     if not positive_int(batch_size):  # below 0 no batch ran, and every sample scored 0 of 0: a value of NaN
