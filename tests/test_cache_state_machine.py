@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from fault_injection import assert_same, snapshot
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, tiny_ccm
 from transformers_ccm import CCMForCausalLM, CompressedMemoryCache
-from transformers_ccm.cache import StreamingLayer
 
 NUM_CACHES = 3
 NUM_LAYERS = 2
@@ -63,66 +62,6 @@ def refusal(ops: list[Op], op: Op) -> bool:
     if op == ("compress", None):
         return not turn_open(ops)  # nothing to compress
     return False
-
-
-# ----- a cache's full state, for exact comparison ------------------------------------------------------------------
-def _frozen(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_frozen(item) for item in value)
-    return value
-
-
-def _memory(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's memory slots (a stream's sit after its sink)."""
-    if isinstance(layer, StreamingLayer):
-        start, end = layer.sink_length, layer.sink_length + layer.memory_length
-        return layer.keys[:, :, start:end], layer.values[:, :, start:end]
-    return layer.memory()
-
-
-def snapshot(cache: CompressedMemoryCache) -> dict[str, Any]:
-    """Everything a cache holds: row bookkeeping, each layer's keys/values/lengths, the float32 average where it is
-    not the memory itself (a loaded cache keeps none when they are equal), counters. The claim must be free."""
-    assert cache._user is None and cache._call is None, "a call left the cache claimed"
-    layers = []
-    for layer in cache.layers:
-        state = {name: _frozen(value) for name, value in layer.__dict__.items() if name != "accumulated"}
-        accumulated = getattr(layer, "accumulated", None)
-        if accumulated is not None:
-            keys, values = _memory(layer)
-            if accumulated[0].dtype == keys.dtype:
-                assert torch.equal(accumulated[0], keys) and torch.equal(accumulated[1], values)
-            else:
-                state["accumulated"] = _frozen(accumulated)
-        layers.append(state)
-    return {
-        "rows": {field.name: _frozen(getattr(cache.rows, field.name)) for field in fields(cache.rows)},
-        "layers": layers,
-        "turn_tokens": cache.turn_tokens,
-        "compressed_in_window": cache.compressed_in_window,
-        "streaming": cache.streaming,
-        "lengths": (cache.memory_length, cache.turn_length, cache.get_seq_length(), cache.has_unfolded_turn),
-        "steps": cache.steps.tolist(),
-    }
-
-
-def assert_same(got: Any, want: Any, where: str = "cache") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.shape == want.shape and got.dtype == want.dtype, f"{where}: {got.shape} {got.dtype} != {want.shape}"
-        assert torch.equal(got, want), f"{where}: values differ (max {(got.float() - want.float()).abs().max()})"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: {sorted(got)} != {sorted(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, tuple | list):
-        assert isinstance(got, tuple | list) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{where}[{index}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 # ----- the machine -----------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from test_cache_state_machine import MachineWithFiles, assert_same, snapshot
+from fault_injection import assert_same, snapshot
+from test_cache_state_machine import MachineWithFiles
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 
