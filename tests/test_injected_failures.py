@@ -20,11 +20,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import FAILURES, FailAt, assert_same, count_operations, model_snapshot, snapshot
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
+from transformers_ccm.cache import CacheSpec
 from transformers_ccm.hub import read_adapter
 
 Caches = dict[str, CompressedMemoryCache]
@@ -143,6 +145,30 @@ def _saving(model: CCMForCausalLM) -> Caches:
 
 
 @functools.cache
+def _memory_file() -> str:
+    path = os.path.join(tempfile.mkdtemp(), "user.safetensors")
+    _compressed("merge").save(path)
+    return path
+
+
+@functools.cache
+def _spec() -> CacheSpec:
+    return tiny_ccm("llama", update="merge").cache_spec()
+
+
+def _read_memory_file() -> list[torch.Tensor]:
+    """What `CompressedMemoryCache.load` reads first: every tensor of `_memory_file()`."""
+    with safe_open(_memory_file(), framework="pt") as file:
+        return [file.get_tensor(key) for key in file.keys()]  # noqa: SIM118 (safe_open is no dict)
+
+
+def _load(model: CCMForCausalLM, caches: Caches) -> tuple[Any, ...]:
+    # Given the model's spec, which the call would otherwise compute first: reading the file is its first operations.
+    loaded = CompressedMemoryCache.load(_memory_file(), _spec())
+    return tuple(snapshot(loaded)["layers"][1].values())
+
+
+@functools.cache
 def _adapter_folder() -> str:
     folder = tempfile.mkdtemp()
     randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge")), seed=5).save_pretrained(
@@ -242,6 +268,12 @@ SCENARIOS: dict[str, Scenario] = {
         wraps=True,
     ),
     "save": Scenario(lambda: tiny_ccm("llama", update="concat"), _saving, _save),
+    "load": Scenario(
+        lambda: tiny_ccm("llama", update="merge"),
+        lambda model: {},
+        _load,
+        foreign=lambda: count_operations(_read_memory_file),
+    ),
 }
 
 
@@ -305,3 +337,24 @@ def check_failure_at(scenario: Scenario, reference: tuple[int, Any, dict[str, An
 def test_a_failure_at_any_operation_changes_nothing(name, where, failure):
     reference, skipped = _reference(name), SCENARIOS[name].foreign()
     check_failure_at(SCENARIOS[name], reference, skipped + 1 + int(where * (reference[0] - skipped)), failure)
+
+
+@pytest.mark.parametrize("failure", ["out of memory", "injected"])
+def test_a_failure_while_reading_a_memory_file_is_no_bad_file(failure):
+    """An out-of-memory error (any RuntimeError) while the file's tensors were read was reported as a ValueError, "not a
+    readable safetensors memory file": the user was told to throw a good memory away. Only the operations where
+    safetensors itself passes the failure on count: at a tensor's first it raises a ValueError of its own."""
+    spec = _spec()
+    passed_on = 0
+    for k in range(1, count_operations(_read_memory_file) + 1):
+        try:
+            with FailAt(k, FAILURES[failure]):
+                _read_memory_file()
+        except ValueError:
+            continue
+        except RuntimeError:
+            passed_on += 1
+        with pytest.raises(RuntimeError) as raised, FailAt(k, FAILURES[failure]):
+            CompressedMemoryCache.load(_memory_file(), spec)
+        assert type(raised.value) is type(FAILURES[failure]()), f"operation {k} failed the load with {raised.value!r}"
+    assert passed_on

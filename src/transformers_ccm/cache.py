@@ -1032,7 +1032,7 @@ class CompressedMemoryCache(Cache):
                 tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
         except FileNotFoundError:
             raise FileNotFoundError(f"No memory file at {path}.") from None
-        except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
             raise ValueError(f"{path} is not a readable safetensors memory file ({error}).") from None
         content = _MemoryFile(path, metadata, tensors, spec)
         cache = cls(spec, content.batch_size, streaming=content.streaming)
