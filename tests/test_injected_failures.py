@@ -22,11 +22,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers.generation.streamers import BaseStreamer
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from fault_injection import FAILURES, FailAt, assert_same, count_operations, model_snapshot, snapshot
-from tiny_models import randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.cache import CacheSpec
+from transformers_ccm.chat import ChatSession
+from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.hub import read_adapter
 
 Caches = dict[str, CompressedMemoryCache]
@@ -169,6 +172,30 @@ def _load(model: CCMForCausalLM, caches: Caches) -> tuple[Any, ...]:
 
 
 @functools.cache
+def _chat_model() -> tuple[CCMForCausalLM, PreTrainedTokenizerBase, ChatSession]:
+    """A model with the embedded tokenizer's vocabulary, and a session one turn in."""
+    tokenizer = load_tokenizer("default")
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="merge")))
+    session = ChatSession(model, tokenizer, max_new_tokens=3)
+    session.turn("Hi! I'm Maria.")
+    return model, tokenizer, session
+
+
+def _session(model: CCMForCausalLM) -> Caches:
+    """A copy of `_chat_model()`'s session, its cache among the caches."""
+    _, tokenizer, first = _chat_model()
+    session = ChatSession(model, tokenizer, cache=first.cache.copy(), max_new_tokens=3)
+    session.history_tokens = first.history_tokens
+    return {"user": session.cache, "session": session}  # type: ignore[dict-item]
+
+
+def _turn(model: CCMForCausalLM, caches: Caches) -> tuple[Any, ...]:
+    session: ChatSession = caches["session"]  # type: ignore[assignment]
+    report = session.turn("What is my name?")
+    return report.reply, report.memory_slots, report.full_context_bytes, session.history_tokens
+
+
+@functools.cache
 def _adapter_folder() -> str:
     folder = tempfile.mkdtemp()
     randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge")), seed=5).save_pretrained(
@@ -260,6 +287,7 @@ SCENARIOS: dict[str, Scenario] = {
         _copies(lambda: _with_turn("concat")),
         lambda model, caches: tuple(snapshot(caches["user"].copy())["layers"][0].values()),
     ),
+    "ChatSession.turn": Scenario(lambda: _chat_model()[0], _session, _turn),
     "load_adapter": Scenario(
         _adapter_model,
         _loading_adapter,

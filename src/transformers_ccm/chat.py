@@ -190,19 +190,20 @@ class ChatSession(_Conversation):
     def turn(self, message: str) -> TurnReport:
         """Answer `message`, fold the exchange into memory, and report the memory held."""
         prompt = self.prompt_ids(message)
-        # One step: a failure while folding must not leave the reply in the cache as an unfolded turn.
+        # One step: a failure while folding must not leave the reply in the cache as an unfolded turn, nor one while
+        # reporting (an interrupt, say) a folded exchange whose reply the caller never got.
         with self.cache.transaction():
             _, reply_ids, closing = self._reply(prompt, self.model, self.cache)
             # c(t+1) is this turn as the template closes it (for ChatML: "...<|im_end|>\n").
             self.model.compress(self.cache, torch.tensor([closing], device=self.model.device) if closing else None)
-        per_token = kv_bytes_per_token(self.model)
-        return TurnReport(
-            reply=self._text(reply_ids),
-            memory_slots=int(self.cache.memory_mask[0].sum()),
-            memory_bytes=self.cache.memory_bytes(),
-            full_context_tokens=self.history_tokens,
-            full_context_bytes=self.history_tokens * per_token,
-        )
+            report = TurnReport(
+                reply=self._text(reply_ids),
+                memory_slots=int(self.cache.memory_mask[0].sum()),
+                memory_bytes=self.cache.memory_bytes(),
+                full_context_tokens=self.history_tokens,
+                full_context_bytes=self.history_tokens * kv_bytes_per_token(self.model),
+            )
+        return report
 
 
 def _check_conversation_memory(model: CCMForCausalLM, cache: CompressedMemoryCache) -> None:
