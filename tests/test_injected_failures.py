@@ -26,11 +26,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from fault_injection import FAILURES, FailAt, assert_same, count_operations, model_snapshot, snapshot
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
-from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, OnlineSample, StreamingConfig
 from transformers_ccm.cache import CacheSpec
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.hub import read_adapter
+from transformers_ccm.training import TrainingRecipe, train
 
 Caches = dict[str, CompressedMemoryCache]
 
@@ -386,3 +387,47 @@ def test_a_failure_while_reading_a_memory_file_is_no_bad_file(failure):
             CompressedMemoryCache.load(_memory_file(), spec)
         assert type(raised.value) is type(FAILURES[failure]()), f"operation {k} failed the load with {raised.value!r}"
     assert passed_on
+
+
+TRAINING = TrainingRecipe(steps=2, batch_size=2, save_every=2, learning_rate=1e-2)
+
+
+def _training_samples() -> list[OnlineSample]:
+    rows = [([[5, 60]], 70), ([[7, 61], [8, 62]], 62), ([[9, 63]], 63), ([[10, 64], [11, 65], [12, 66]], 66)]
+    return [OnlineSample(contexts, [91], [answer]) for contexts, answer in rows]
+
+
+def _untrained() -> CCMForCausalLM:
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+
+
+def _train(model: CCMForCausalLM) -> None:
+    """A run of `TRAINING`, into a folder of its own that is removed afterwards."""
+    with tempfile.TemporaryDirectory() as folder:
+        train(model, None, _training_samples(), None, folder, TRAINING)
+
+
+@functools.cache
+def _trained() -> tuple[int, dict[str, torch.Tensor]]:
+    """The tensor operations of a run of `TRAINING` on `_untrained()`, and the weights it trains."""
+    _train(_untrained())  # what the Trainer sets up once in a process
+    model = _untrained()
+    operations = count_operations(lambda: _train(model))
+    return operations, model_snapshot(model)["weights"]
+
+
+@settings(max_examples=1, deadline=None)
+@given(where=st.floats(0, 1, exclude_max=True), failure=st.sampled_from(sorted(FAILURES)))
+@example(where=1 - 1e-9, failure="out of memory")  # after the second step: its weights were kept
+def test_a_failed_training_run_gives_the_adapter_back(where, failure):
+    """A run that failed (an out-of-memory error, an interrupt) left the model with the gradients of a backward cut
+    short, or with the weights of the steps it made (none of which was the model given, or on disk as the result); it
+    gives the adapter back as it came, and a run then trains what it trains on a fresh model."""
+    operations, trained = _trained()
+    model = _untrained()
+    before = model_snapshot(model)
+    with pytest.raises(type(FAILURES[failure]())), FailAt(1 + int(where * operations), FAILURES[failure]):
+        _train(model)
+    assert_same(model_snapshot(model), before, "the model after a failed run")
+    _train(model)
+    assert_same(model_snapshot(model)["weights"], trained, "the weights trained after a failed run")

@@ -363,19 +363,44 @@ def train(
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     was_training = model.training
+    adapter = _trainable_state(model)
     try:
-        trainer.train(resume_from_checkpoint=True if resume else None)
-    finally:  # also when a step fails
-        # The Trainer switches the model to training mode and leaves it there: the caller gets it back in its own
-        # mode, so that dropout does not make every later compress and generate random. accelerate wraps the model's
-        # forward in the mixed-precision autocast: the caller gets the model back running as it was built (bf16
-        # stays a choice of the training run, not of every later forward).
-        model.train(was_training)
-        trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    if trainer.is_world_process_zero():
-        model.save_pretrained(output_dir)
+        try:
+            trainer.train(resume_from_checkpoint=True if resume else None)
+        finally:  # also when a step fails
+            # The Trainer switches the model to training mode and leaves it there: the caller gets it back in its own
+            # mode, so that dropout does not make every later compress and generate random. accelerate wraps the
+            # model's forward in the mixed-precision autocast: the caller gets the model back running as it was built
+            # (bf16 stays a choice of the training run, not of every later forward).
+            model.train(was_training)
+            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+        if trainer.is_world_process_zero():
+            model.save_pretrained(output_dir)
+    except BaseException:
+        # A failed run (an out-of-memory error, an interrupt, a full disk) gives the adapter back as it came, not with
+        # the gradients of a backward or the weights of the steps it made: its checkpoints (the last step's always
+        # among them) hold what it trained, and `resume=True` goes on from there.
+        _restore_trainable_state(adapter)
+        raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
+
+
+def _trainable_state(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+    """Every parameter an optimizer may change (those that require grad), with copies of its value and gradient."""
+    return [
+        (parameter, parameter.detach().clone(), None if parameter.grad is None else parameter.grad.detach().clone())
+        for parameter in model.parameters()
+        if parameter.requires_grad
+    ]
+
+
+def _restore_trainable_state(state: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]]) -> None:
+    """Put back the values and gradients `_trainable_state` copied."""
+    with torch.no_grad():
+        for parameter, value, gradient in state:
+            parameter.copy_(value)
+            parameter.grad = gradient
 
 
 def cpu_has_bf16() -> bool:
