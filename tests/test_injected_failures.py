@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -431,3 +432,41 @@ def test_a_failed_training_run_gives_the_adapter_back(where, failure):
     assert_same(model_snapshot(model), before, "the model after a failed run")
     _train(model)
     assert_same(model_snapshot(model)["weights"], trained, "the weights trained after a failed run")
+
+
+def _base_state(model: PreTrainedModel) -> dict[str, Any]:
+    """What `from_base` changes on the model it wraps: modules, parameters and their flags, hooks, attention."""
+    return {
+        "modules": [(name, type(module).__name__) for name, module in model.named_modules()],
+        "weights": {name: tensor.detach().clone() for name, tensor in model.state_dict().items()},
+        "requires_grad": {name: parameter.requires_grad for name, parameter in model.named_parameters()},
+        "hooks": [len(module._forward_pre_hooks) + len(module._forward_hooks) for module in model.modules()],
+        "attention": model.config._attn_implementation,
+        "peft": hasattr(model, "peft_config"),
+    }
+
+
+@functools.cache
+def _wrapping_operations() -> int:
+    base = tiny_base("llama")
+    return count_operations(lambda: CCMForCausalLM.from_base(base, CCMConfig()))
+
+
+@settings(max_examples=4, deadline=None)
+@given(where=st.floats(0, 1, exclude_max=True), failure=st.sampled_from(sorted(FAILURES)))
+@example(where=0.5, failure="out of memory")  # while the LoRA goes in
+def test_a_failure_while_wrapping_a_model_gives_it_back_as_it_was(where, failure):
+    """A failure inside from_base (while PEFT injected the LoRA, or the <COMP> embeddings were drawn) left the caller's
+    model with some LoRA layers and its parameters frozen, and every later from_base() of it refused it as a model that
+    already holds LoRA layers."""
+    base = tiny_base("llama")
+    before = _base_state(base)
+    with pytest.raises(type(FAILURES[failure]())), FailAt(1 + int(where * _wrapping_operations()), FAILURES[failure]):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert_same(_base_state(base), before, "the base model after a failed from_base")
+    untouched = tiny_base("llama")
+    torch.manual_seed(0)
+    model = CCMForCausalLM.from_base(base, CCMConfig())
+    torch.manual_seed(0)
+    fresh = CCMForCausalLM.from_base(untouched, CCMConfig())
+    assert_same(model_snapshot(model)["weights"], model_snapshot(fresh)["weights"], "the model wrapped after a failure")

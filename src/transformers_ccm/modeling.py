@@ -137,6 +137,26 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             {name: parameter.requires_grad for name, parameter in base_model.named_parameters()},
             base_model.config._attn_implementation,
         )
+        # Digests of the adapter and base weights, each with the parameter versions it was computed at.
+        self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
+        # The weights by kind and the LoRA layers, with the count of module registrations in the process when they
+        # were listed.
+        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]] | None = None
+        self.training_attention: TrainingAttention = "auto"
+        # The classes `_release_base` gives back to the rotary modules that `_one_at_a_time` replaced.
+        self._rotary_classes: list[tuple[nn.Module, type[nn.Module]]] = []
+        try:
+            self._wrap_base(config)
+        except BaseException:
+            # Failed half way (an out-of-memory error while the LoRA went in, an interrupt): the caller's model would
+            # keep some LoRA layers, and every later from_base() of it would refuse a model that holds LoRA layers.
+            self._release_base()
+            raise
+
+    def _wrap_base(self, config: CCMConfig) -> None:
+        """Add the LoRA, the `<COMP>` embeddings, the gate and CCM's attention to `base_model` (`_release_base` undoes
+        it, also part of it)."""
+        base_model = self.base_model
         inject_lora(base_model, config)
         base_model.requires_grad_(False)
         for layer in lora_layers(base_model):
@@ -145,18 +165,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self.comp_embeddings = nn.Parameter(_initial_comp_embeddings(base_model, config.num_comp_tokens))
         self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
         self._rotary_module = KeyRotation.module_name(base_model)
-        # Digests of the adapter and base weights, each with the parameter versions it was computed at.
-        self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
-        # The weights by kind and the LoRA layers, with the count of module registrations in the process when they
-        # were listed.
-        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]] | None = None
-        self.training_attention: TrainingAttention = "auto"
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
-        # The classes `_release_base` gives back to the rotary modules that `_one_at_a_time` replaced.
-        self._rotary_classes = [(module, type(module)) for module in _frequency_setting_rotaries(base_model)]
-        for module, rotary_class in self._rotary_classes:
-            module.__class__ = _one_at_a_time(rotary_class)
+        for module in _frequency_setting_rotaries(base_model):
+            self._rotary_classes.append((module, type(module)))
+            module.__class__ = _one_at_a_time(type(module))
         # The LoRA's dropout modules (and this module) start in training mode; transformers loads a base model in eval
         # mode, where a dropout left on would make every compression of the loaded model random.
         self.train(base_model.training)
@@ -267,17 +280,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def _release_base(self) -> None:
         """Give `base_model` back as it was before this model was built around it (a load into a caller's model
         failed): hooks removed, each LoRA layer replaced by the layer it wraps, its attention implementation and
-        `requires_grad` flags restored. This model is unusable afterwards."""
+        `requires_grad` flags restored. This model is unusable afterwards. Also after `_wrap_base` failed half way: only
+        what it did is undone."""
         requires_grad, attention = self._base_before
-        self._gate.remove()
-        self._online_hook.remove()
+        for added in (self.__dict__.get("_gate"), self.__dict__.get("_online_hook")):
+            if added is not None:
+                added.remove()
         for module, rotary_class in self._rotary_classes:
             module.__class__ = rotary_class
         for name, module in list(self.base_model.named_modules()):
             if isinstance(module, LoraLayer):
                 parent, _, child = name.rpartition(".")
                 setattr(self.base_model.get_submodule(parent), child, module.get_base_layer())
-        del self.base_model.peft_config
+        if hasattr(self.base_model, "peft_config"):
+            del self.base_model.peft_config
         self.base_model.set_attn_implementation(attention)
         for name, parameter in self.base_model.named_parameters():
             parameter.requires_grad_(requires_grad[name])
