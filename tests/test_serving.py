@@ -623,6 +623,28 @@ def test_a_batch_operation_that_keeps_no_row_is_refused(tmp_path, operation, str
     assert cache.batch_size == 2 and _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("select", ["batch_select_indices", "reorder_cache"])
+@pytest.mark.parametrize("index", [torch.tensor(1), torch.tensor([[1, 0]])], ids=["0-d", "2-D"])
+def test_a_batch_operation_given_indices_that_are_no_list_of_rows_is_refused(tmp_path, select, index, streaming):
+    """batch_select_indices failed with a bare IndexError from inside the cache ('tuple index out of range') given a 0-d
+    index, and given a 2-D one left rows of two dimensions, on which every later call failed inside torch."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    if streaming:
+        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
+        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    with pytest.raises(ValueError, match=r"takes a 1-D tensor of row indices, such as torch\.tensor\(\[2, 0\]\)"):
+        getattr(cache, select)(index)
+    with pytest.raises(TypeError, match=r"takes a 1-D tensor of row indices"):
+        getattr(cache, select)(index.tolist())
+    assert cache.batch_size == 2 and _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

@@ -889,12 +889,14 @@ class CompressedMemoryCache(Cache):
                         layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        _check_row_indices(beam_idx, "cache.reorder_cache()")
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "cache.batch_repeat_interleave()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        _check_row_indices(indices, "cache.batch_select_indices()")
         self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()")
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -1294,6 +1296,17 @@ def _check_finite_memory(layers: list[MemoryLayer] | list[StreamingLayer]) -> No
             "The compression gave keys/values that are not finite (NaN or inf), which would poison every later turn "
             "of this memory; the cache is left as it was. The model's weights or this turn's inputs hold non-finite "
             "values, or its float16 activations overflowed (run it in bfloat16 or float32)."
+        )
+
+
+def _check_row_indices(indices: Any, call: str) -> None:
+    """Raise unless `indices` is a 1-D tensor (of row indices, or a bool mask of rows): a 0-d one dropped the batch
+    dimension of the rows (`batch_select_indices`), a 2-D one added one, and every later call failed inside torch."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{call} takes a 1-D tensor of row indices, such as torch.tensor([2, 0]); got {type(indices)}.")
+    if indices.ndim != 1:
+        raise ValueError(
+            f"{call} takes a 1-D tensor of row indices, such as torch.tensor([2, 0]); got shape {tuple(indices.shape)}."
         )
 
 
