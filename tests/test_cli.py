@@ -844,6 +844,7 @@ def test_eval_refuses_adapters_and_reports_on_another_base_model(tiny_model, ada
     shutil.copytree(adapter, other, ignore=shutil.ignore_patterns("checkpoint-*"))
     config = json.loads((other / "ccm_config.json").read_text())
     (other / "ccm_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(other_base)}))
+    (other / "ccm_manifest.json").unlink()  # edited on purpose: the manifest no longer records the files
     scoring = ["eval", "--tasks", "icl", "--steps", "1", "--samples", "2"]
     with pytest.raises(SystemExit) as exit_info:
         main([*scoring, "--adapters", adapter, str(other), "--output-dir", str(tmp_path / "both")])

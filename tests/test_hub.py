@@ -26,7 +26,13 @@ from transformers_ccm.lora import lora_layers
 
 PROMPT = torch.tensor([[20, 21, 22]])
 CONTEXT = torch.tensor([[5, 6, 7, 8]])
-ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "ccm_config.json", "README.md"}
+ADAPTER_FILES = {
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "ccm_config.json",
+    "README.md",
+    "ccm_manifest.json",
+}
 
 
 def _adapter(base_path=None, seed=1, **config):
@@ -336,12 +342,17 @@ def test_missing_and_corrupt_files(tmp_path, base_folder):
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "adapter", broken)
     (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 30)
+    with pytest.raises(ValueError, match=r"mixes files of different saves: \['adapter_model\.safetensors'\]"):
+        CCMForCausalLM.from_pretrained(broken)
+    _record(broken)  # damaged as its manifest records it: the file itself is refused
     with pytest.raises(ValueError, match="corrupt adapter file"):
         CCMForCausalLM.from_pretrained(broken)
     (broken / "adapter_model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no adapter_model\.safetensors"):
         CCMForCausalLM.from_pretrained(broken)
+    shutil.copy(tmp_path / "adapter" / "adapter_model.safetensors", broken)
     (broken / "ccm_config.json").write_text("{oops")
+    _record(broken)
     with pytest.raises(ValueError, match="corrupt"):
         CCMForCausalLM.from_pretrained(broken)
 
@@ -350,6 +361,7 @@ def test_unknown_config_version(tmp_path, base_folder):
     _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
     path = tmp_path / "adapter" / "ccm_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 7}))
+    _record(path.parent)
     with pytest.raises(ValueError, match="format_version 7"):
         CCMForCausalLM.from_pretrained(tmp_path / "adapter")
 
@@ -449,6 +461,7 @@ def test_resizing_a_crafted_comp_embedding_is_refused_and_changes_nothing(tmp_pa
     weights = str(tmp_path / "adapter" / "adapter_model.safetensors")
     tensors = load_file(weights)
     save_file({**tensors, "ccm.comp_embeddings": tensors["ccm.comp_embeddings"][:0]}, weights)
+    _record(tmp_path / "adapter")
     target = _adapter(None, seed=9, num_comp_tokens=3)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(ValueError, match=r"ccm\.comp_embeddings has shape \(0, 32\) where num_comp_tokens=2"):
@@ -461,12 +474,19 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def _rewrite_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    _record(path.parent)
 
 
 def _rewrite_weights(path, change):
     from safetensors.torch import load_file, save_file
 
     save_file(change(load_file(str(path))), str(path))
+    _record(path.parent)
+
+
+def _record(folder):
+    """Record the folder's files in its manifest: a crafted adapter whose manifest agrees is checked by content."""
+    hub_module._write_manifest(str(folder / "ccm_manifest.json"))
 
 
 def _nan_comp(tensors):
@@ -510,7 +530,10 @@ def _lower_rank(tensors):
         (lambda f: _rewrite_json(f / "adapter_config.json", lora_alpha=1), r"lora_alpha=1 where 16"),
         (lambda f: _rewrite_json(f / "adapter_config.json", peft_type="IA3"), r"peft_type='IA3' where 'LORA'"),
         (lambda f: _rewrite_json(f / "adapter_config.json", use_dora=True), r"use_dora=True where False"),
-        (lambda f: (f / "adapter_config.json").write_text("[]"), r"adapter_config\.json must hold a JSON object"),
+        (
+            lambda f: ((f / "adapter_config.json").write_text("[]"), _record(f)),
+            r"adapter_config\.json must hold a JSON object",
+        ),
         # PEFT would build another adapter from these files: a LoRA variant, trained biases, other modules.
         (lambda f: _rewrite_json(f / "adapter_config.json", bias="all"), r"bias='all' where 'none'"),
         (lambda f: _rewrite_json(f / "adapter_config.json", lora_bias=True), r"lora_bias=True where False"),
@@ -565,9 +588,12 @@ def _lower_rank(tensors):
             lambda f: _rewrite_weights(f / "adapter_model.safetensors", _integer_lora),
             r"holds tensors that are not floating point, one value per element \[.base_model\.model\..*lora_A",
         ),
-        (lambda f: (f / "ccm_config.json").write_bytes(b'{"r": "\xff"}'), r"ccm_config\.json is not valid JSON"),
         (
-            lambda f: (f / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000),
+            lambda f: ((f / "ccm_config.json").write_bytes(b'{"r": "\xff"}'), _record(f)),
+            r"ccm_config\.json is not valid JSON",
+        ),
+        (
+            lambda f: ((f / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000), _record(f)),
             r"adapter_config\.json is nested too deeply",
         ),
         (
@@ -655,6 +681,7 @@ def test_weights_that_do_not_fit_change_nothing(tmp_path):
     tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     tensors.pop(next(k for k in tensors if "lora_B" in k))
     save_file(tensors, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    _record(tmp_path / "adapter")
     target = _adapter(None, seed=9)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(ValueError, match=r"do not fit this model \(missing"):

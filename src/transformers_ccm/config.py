@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
+from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.validation import check_setting, finite_number, number, positive_int
 
@@ -131,10 +132,15 @@ class CCMConfig:
         """Write `ccm_config.json` into `save_directory` and return its path."""
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
+        replace_file(path, self._write_json)
+        return path
+
+    def _write_json(self, path: str) -> None:
+        """Write the content of `ccm_config.json` to the file `path` (as it is: `save_pretrained` replaces the file
+        whole)."""
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
-        return path
 
     @classmethod
     def from_pretrained(cls, directory_or_file: str | os.PathLike[str]) -> CCMConfig:
@@ -147,6 +153,11 @@ class CCMConfig:
                 text = f.read()
         except FileNotFoundError:
             raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
+        return cls.from_json_bytes(text, path)
+
+    @classmethod
+    def from_json_bytes(cls, text: bytes, path: str) -> CCMConfig:
+        """The config that `text` (the content of the `ccm_config.json` at `path`, which errors name) holds."""
         return cls.from_dict(parse_json_object(text, path, "the file is corrupt, save it again."), source=path)
 
 

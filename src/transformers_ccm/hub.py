@@ -6,11 +6,15 @@ Layout of a saved adapter (never the base weights, never pickle):
     adapter_model.safetensors   LoRA weights (PEFT key names) and `ccm.comp_embeddings`
     ccm_config.json             CCMConfig: update rule, <COMP> length, base model id, revision and shape
     README.md                   model card
+    ccm_manifest.json           SHA-256 of the first three files: a folder holding files of two saves (a save killed
+                                part way) is refused, not loaded as a mix (the model card is left out: users edit it)
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import os
 import re
 import tempfile
@@ -28,12 +32,17 @@ from safetensors.torch import save_file
 
 from transformers_ccm.config import CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
+from transformers_ccm.files import folder_lock, replace_files
 from transformers_ccm.json_reading import parse_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 MODEL_CARD_NAME = "README.md"
-ADAPTER_FILES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, CONFIG_NAME, MODEL_CARD_NAME)
+MANIFEST_NAME = "ccm_manifest.json"
+MANIFEST_VERSION = 1
+# The files whose digests the manifest records, in the order they are written (and swapped in backwards).
+VERIFIED_FILES = (CONFIG_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
+ADAPTER_FILES = (*VERIFIED_FILES, MODEL_CARD_NAME, MANIFEST_NAME)
 PEFT_PREFIX = "base_model.model."
 COMP_EMBEDDINGS_KEY = "ccm.comp_embeddings"
 SHIPPED_PREFIX = "ccm:"
@@ -80,7 +89,10 @@ def save_adapter(
     `COMP_EMBEDDINGS_KEY`). The model card tells to load it by `repo_id` (default: `ccm:<name>` inside the
     package's adapters folder, else the folder's path)."""
     folder = Path(save_directory)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{folder} is a file, or inside one; save the adapter into a folder.") from None
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
@@ -92,16 +104,30 @@ def save_adapter(
     if repo_id is None:
         shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
         repo_id = SHIPPED_PREFIX + folder.name if shipped else str(folder)
-    # Written beside the folder's files first, then moved over them: a write that fails (a full disk) keeps the
-    # adapter saved there before, and other files of the folder (training checkpoints) stay.
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".saving-") as staging_name:
-        staging = Path(staging_name)
-        lora_config.save_pretrained(str(staging))
-        save_file(prefixed, str(staging / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-        config.save_pretrained(staging)
-        _model_card(config, repo_id).save(staging / MODEL_CARD_NAME)
-        for name in ADAPTER_FILES:
-            os.replace(staging / name, folder / name)
+    card = _model_card(config, repo_id)
+    # Written aside, then swapped in together (see files.py): a failed save keeps the adapter saved there before,
+    # and the folder's other files (training checkpoints, the user's) stay. The manifest goes in first: a process
+    # killed during the swap leaves files that disagree with it, which `read_adapter` refuses.
+    replace_files(
+        {
+            folder / CONFIG_NAME: config._write_json,
+            folder / ADAPTER_CONFIG_NAME: lambda path: lora_config.save_pretrained(os.path.dirname(path)),
+            folder / ADAPTER_WEIGHTS_NAME: lambda path: save_file(prefixed, path, metadata={"format": "pt"}),
+            folder / MODEL_CARD_NAME: card.save,
+            folder / MANIFEST_NAME: _write_manifest,
+        }
+    )
+
+
+def _write_manifest(path: str) -> None:
+    """Write the manifest of the `VERIFIED_FILES` beside `path`."""
+    folder = Path(path).parent
+    digests = {name: _digest((folder / name).read_bytes()) for name in VERIFIED_FILES}
+    Path(path).write_text(json.dumps({"format_version": MANIFEST_VERSION, "sha256": digests}, indent=2) + "\n")
+
+
+def _digest(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
 
 
 def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
@@ -167,27 +193,58 @@ def resolve_adapter(
 def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     """Read and check the adapter files in `folder`. Returns its config and weights (PEFT keys without prefix,
     plus `COMP_EMBEDDINGS_KEY`)."""
-    if not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{folder} holds no CCM adapter: {_what_is_there(folder)}")
-    config = CCMConfig.from_pretrained(folder)
-    for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(
-                f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
-            )
+    # Read under the folder's shared lock: a save in another thread or process swaps the files under its exclusive
+    # lock, so they are all of one save. The JSON files are parsed from the bytes whose digests were checked.
+    with folder_lock(folder, exclusive=False):
+        files = {
+            name: (folder / name).read_bytes() for name in (*VERIFIED_FILES, MANIFEST_NAME) if (folder / name).is_file()
+        }
+        if CONFIG_NAME not in files:
+            raise FileNotFoundError(f"{folder} holds no CCM adapter: {_what_is_there(folder)}")
+        for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
+            if name not in files:
+                raise FileNotFoundError(
+                    f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
+                )
+        _check_manifest(folder, files)
+        try:  # safetensors' own reader: it knows every dtype (packed 4-bit floats too), for `_check_values` to name
+            with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
+                tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
+    config = CCMConfig.from_json_bytes(files[CONFIG_NAME], str(folder / CONFIG_NAME))
     peft_config = parse_json_object(
-        (folder / ADAPTER_CONFIG_NAME).read_bytes(), str(folder / ADAPTER_CONFIG_NAME), "save or download it again."
+        files[ADAPTER_CONFIG_NAME], str(folder / ADAPTER_CONFIG_NAME), "save or download it again."
     )
-    try:
-        with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
-            tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
     if COMP_EMBEDDINGS_KEY not in tensors:
         raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
     _check_values(folder / ADAPTER_WEIGHTS_NAME, tensors)
     _check_files_agree(folder, config, peft_config, tensors)
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+def _check_manifest(folder: Path, files: dict[str, bytes]) -> None:
+    """Raise unless the `files` read from `folder` are those its manifest records (none: an adapter saved before
+    manifests, or put together by hand, is checked by its content alone)."""
+    if MANIFEST_NAME not in files:
+        return
+    path = folder / MANIFEST_NAME
+    manifest = parse_json_object(files[MANIFEST_NAME], str(path), "save the adapter again.")
+    if manifest.get("format_version") != MANIFEST_VERSION:
+        raise ValueError(
+            f"{path} has format_version {manifest.get('format_version')!r}, but this transformers-ccm reads version "
+            f"{MANIFEST_VERSION}; upgrade transformers-ccm, or save the adapter again."
+        )
+    recorded = manifest.get("sha256")
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path} records no sha256 digests; save the adapter again.")
+    differing = [name for name in VERIFIED_FILES if recorded.get(name) != _digest(files[name])]
+    if differing:
+        raise ValueError(
+            f"The adapter at {folder} mixes files of different saves: {differing} are not the ones {MANIFEST_NAME} "
+            "records (a save cut off part way, or files changed after saving). Save the adapter again; if you "
+            f"changed them on purpose, delete {MANIFEST_NAME}."
+        )
 
 
 def _check_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,174 @@
+"""Files written whole or not at all: every file the package writes (an adapter's, a memory, a report) is written
+into a hidden staging folder beside its place, flushed to disk, then renamed over the earlier one.
+
+A set of files that belong together (an adapter, a report) is swapped under an exclusive lock on their folder, the
+earlier files kept aside until the last one is in place: a failed swap puts them back, and a reader that takes the
+shared lock (`folder_lock`) sees the earlier set or the new one, never a mix. A process killed part way through a
+swap can still leave a mix, which only a manifest the reader checks can tell (see `hub.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the adapter's manifest still refuses a mix
+    fcntl = None  # type: ignore[assignment]
+
+STAGING_PREFIX = ".ccm-saving-"
+
+
+def replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
+    """Replace the file at `path` (or, for a symbolic link, the file it leads to) in one rename with what
+    `write(temporary_path)` writes; a failed or interrupted write keeps the earlier file and leaves nothing behind."""
+    replace_files({os.path.realpath(path): write})
+
+
+def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object]]) -> None:
+    """Replace the files at the keys of `writes` (paths in one folder) with what each `write(temporary_path)`
+    writes (the temporary path keeps the file's name, so a plot's format follows its suffix): all of them, or, if
+    anything fails, none. Files are written in the order given and swapped in the reverse order, so that the last
+    written (a manifest of the others) is the first in place."""
+    paths = {Path(path): write for path, write in writes.items()}
+    folder = _one_folder(paths)
+    for path in paths:
+        if path.is_dir():  # moved aside, a folder of the user's would be deleted with the staging folder
+            raise ValueError(f"{path} is a folder; move it away to save the file of that name there.")
+    names = [path.name for path in paths]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Two files of one save have the same name: {names}.")
+    with folder_lock(folder, exclusive=len(paths) > 1) as locked:
+        if locked and len(paths) > 1:
+            _remove_stale_staging(folder)
+        with _staging(folder) as staging:
+            (staging / "new").mkdir()
+            for path, write in paths.items():
+                write(os.fspath(staging / "new" / path.name))
+                _fsync(staging / "new" / path.name)
+            _swap(list(reversed(paths)), staging)
+            _fsync(folder)
+
+
+@contextmanager
+def folder_lock(folder: str | os.PathLike[str], exclusive: bool) -> Iterator[bool]:
+    """Hold an advisory lock on `folder` within the context: exclusive for a writer, shared for a reader. Yields
+    whether it is held (not on a file system without locks, nor for a folder that cannot be opened)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        yield _flock(descriptor, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) if fcntl else False
+    finally:
+        os.close(descriptor)  # which releases the lock
+
+
+def _flock(descriptor: int, operation: int) -> bool:
+    try:
+        fcntl.flock(descriptor, operation)
+    except OSError:  # a file system without flock (some network ones)
+        return False
+    return True
+
+
+def _one_folder(paths: Mapping[Path, object]) -> Path:
+    folders = {path.parent for path in paths}
+    if len(folders) != 1:
+        raise ValueError(f"The files of one save must share a folder, got {sorted(map(str, folders))}.")
+    return folders.pop()
+
+
+@contextmanager
+def _staging(folder: Path) -> Iterator[Path]:
+    """A new hidden folder inside `folder`, locked while it is in use (a later save removes it only once its
+    writer is gone) and removed at the end, unless it holds the earlier files of a swap that could not be undone."""
+    try:
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=STAGING_PREFIX))
+    except OSError as error:
+        raise type(error)(
+            error.errno, f"Cannot write into {folder} ({error.strerror}); choose a writable folder."
+        ) from None
+    descriptor = os.open(staging, os.O_RDONLY)
+    if fcntl:
+        _flock(descriptor, fcntl.LOCK_EX)
+    kept = False
+    try:
+        yield staging
+    except _KeptAside:
+        kept = True
+        raise
+    finally:
+        if not kept:
+            shutil.rmtree(staging, ignore_errors=True)
+        os.close(descriptor)
+
+
+class _KeptAside(OSError):
+    """A swap failed and could not put every earlier file back: they stay in the staging folder it names."""
+
+
+def _swap(paths: list[Path], staging: Path) -> None:
+    """Move each of `paths` aside into `staging`/old and the file of its name in `staging`/new into its place, in
+    order; if one fails, put the earlier files back. The last needs no copy aside: its rename is the last step."""
+    (staging / "old").mkdir()
+    aside: list[Path] = []  # paths whose earlier file is in staging/old
+    placed: list[Path] = []  # paths that hold the new file
+    try:
+        for index, path in enumerate(paths):
+            if index < len(paths) - 1 and os.path.lexists(path):
+                os.replace(path, staging / "old" / path.name)
+                aside.append(path)
+            os.replace(staging / "new" / path.name, path)
+            placed.append(path)
+    except BaseException as error:
+        not_restored = []
+        for path in reversed(placed):
+            if path not in aside:
+                with suppress(OSError):
+                    os.remove(path)  # there was no file here before
+        for path in reversed(aside):
+            try:
+                os.replace(staging / "old" / path.name, path)
+            except OSError:
+                not_restored.append(path.name)
+        if not_restored:
+            raise _KeptAside(
+                f"Saving into {staging.parent} failed ({error}), and its earlier {not_restored} could not be put "
+                f"back: they are in {staging / 'old'}; move them back, or save again."
+            ) from error
+        raise
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries (the renames into it), to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        if not path.is_dir():  # some file systems cannot flush a folder; a file that cannot be flushed is an error
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked)."""
+    for staging in folder.glob(f"{STAGING_PREFIX}*"):
+        if not staging.is_dir() or staging.is_symlink():
+            continue
+        try:
+            descriptor = os.open(staging, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if fcntl and _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            os.close(descriptor)

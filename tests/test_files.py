@@ -1,0 +1,239 @@
+"""Everything written to disk is whole or absent: adapters, memories and reports under failures injected at the
+file system (the k-th write, flush or rename fails, or the process dies there), and under threads that save and
+load the same folder at once."""
+
+import builtins
+import itertools
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import hub as hub_module
+from transformers_ccm.files import STAGING_PREFIX
+
+ADAPTER_FILES = {
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "ccm_config.json",
+    "README.md",
+    "ccm_manifest.json",
+}
+# The renames of a save over an earlier adapter: each file but the last moved aside, then each new one moved in.
+ADAPTER_RENAMES = 2 * len(ADAPTER_FILES) - 1
+
+
+def _adapter(seed, **config):
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(**config)), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def adapters():
+    """Two adapters of one structure (a mix of their files passes every content check) and a model to load into."""
+    return _adapter(1), _adapter(2, update="merge"), _adapter(9)
+
+
+def _which(target, adapters):
+    """Load-adapter result of `target`: "old" or "new" when its weights and update rule are exactly one of them."""
+    old, new, _ = adapters
+    for name, source in (("old", old), ("new", new)):
+        if target.config.update == source.config.update and all(
+            torch.equal(value, source.adapter_tensors()[key]) for key, value in target.adapter_tensors().items()
+        ):
+            return name
+    return "a mix"
+
+
+def _contents(folder):
+    return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+
+
+@contextmanager
+def _failing(module, name, k, error=None):
+    """`module.name` raises `error` (a full disk) at its k-th call (from 0) within the context."""
+    original, calls = getattr(module, name), itertools.count()
+
+    def fail_at_k(*args, **kwargs):
+        if next(calls) == k:
+            raise error or OSError(28, "No space left on device (injected)")
+        return original(*args, **kwargs)
+
+    with patch.object(module, name, fail_at_k):
+        yield
+
+
+_FILE_SYSTEM_CALLS = {
+    "open": (builtins, "open"),
+    "os.replace": (os, "replace"),
+    "os.fsync": (os, "fsync"),
+    "save_file": (hub_module, "save_file"),
+    "os.mkdir": (os, "mkdir"),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(call=st.sampled_from(sorted(_FILE_SYSTEM_CALLS)), k=st.integers(0, 12))
+def test_an_adapter_save_that_fails_at_any_file_operation_keeps_the_old_adapter_whole(
+    tmp_path_factory, adapters, call, k
+):
+    """The files were moved into place one by one: a failed rename left the new weights beside the old config,
+    which loaded silently as an adapter nobody saved."""
+    old, new, target = adapters
+    folder = tmp_path_factory.mktemp("adapter")
+    old.save_pretrained(folder)
+    (folder / "notes.txt").write_text("the user's own file")
+    (folder / "checkpoint-2").mkdir()
+    before = _contents(folder)
+    try:
+        with _failing(*_FILE_SYSTEM_CALLS[call], k):
+            new.save_pretrained(folder)
+    except OSError as error:
+        assert "injected" in str(error)
+        assert _contents(folder) == before
+        expected = "old"
+    else:
+        expected = "new"
+    assert {path.name for path in folder.iterdir()} == {*ADAPTER_FILES, "notes.txt", "checkpoint-2"}
+    target.load_adapter(folder)
+    assert _which(target, adapters) == expected
+
+
+@pytest.mark.parametrize("k", range(ADAPTER_RENAMES))
+def test_a_save_killed_at_any_rename_never_loads_as_a_mix(tmp_path, adapters, k):
+    """A process killed during a save leaves the old adapter, the new one, or files the manifest refuses; the next
+    save removes what the killed one left behind."""
+    old, new, target = adapters
+    folder = tmp_path / "adapter"
+    old.save_pretrained(folder)
+    child = os.fork()
+    if child == 0:  # the saving process, killed at its k-th rename: no cleanup, no undo runs
+        calls, original = itertools.count(), os.replace
+
+        def killed_at_k(*args, **kwargs):
+            if next(calls) == k:
+                os._exit(0)
+            return original(*args, **kwargs)
+
+        os.replace = killed_at_k
+        try:
+            new.save_pretrained(folder)
+        finally:
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    try:
+        target.load_adapter(folder)
+    except (ValueError, FileNotFoundError) as error:
+        assert "mixes files of different saves" in str(error) or "incomplete" in str(error), error
+    else:
+        assert _which(target, adapters) in ("old", "new")
+    new.save_pretrained(folder)
+    assert {path.name for path in folder.iterdir()} == ADAPTER_FILES
+    target.load_adapter(folder)
+    assert _which(target, adapters) == "new"
+
+
+def _in_the_middle_of_a_save(k, during):
+    """Patch os.replace so that `during()` runs in another thread right after the k-th rename, while the save
+    goes on (a thread that waits for the save to finish is left to do so). Returns the patch and the thread."""
+    original, calls, threads = os.replace, itertools.count(), []
+
+    def rename_then_run(*args, **kwargs):
+        original(*args, **kwargs)
+        if next(calls) == k:
+            thread = threading.Thread(target=during)
+            thread.start()
+            thread.join(timeout=0.3)  # long enough for a thread that is not held back to finish its step
+            threads.append(thread)
+
+    return patch.object(os, "replace", rename_then_run), threads
+
+
+@pytest.mark.parametrize("k", range(ADAPTER_RENAMES - 1))
+def test_a_load_in_another_thread_during_a_save_gets_the_old_or_the_new_adapter(tmp_path, adapters, k):
+    old, new, target = adapters
+    old.save_pretrained(tmp_path)
+    outcome = []
+
+    def load():
+        try:
+            target.load_adapter(tmp_path)
+            outcome.append(_which(target, adapters))
+        except Exception as error:  # what a load raises is the outcome looked at
+            outcome.append(error)
+
+    patched, threads = _in_the_middle_of_a_save(k, load)
+    with patched:
+        new.save_pretrained(tmp_path)
+    threads[0].join()
+    assert outcome[0] in ("old", "new")
+
+
+@pytest.mark.parametrize("k", range(ADAPTER_RENAMES - 1))
+def test_two_threads_saving_into_one_folder_leave_one_whole_adapter(tmp_path, adapters, k):
+    old, new, target = adapters
+    errors = []
+
+    def save_other():
+        try:
+            old.save_pretrained(tmp_path)
+        except Exception as error:
+            errors.append(error)
+
+    new.save_pretrained(tmp_path)
+    patched, threads = _in_the_middle_of_a_save(k, save_other)
+    with patched:
+        new.save_pretrained(tmp_path)
+    threads[0].join()
+    assert not errors
+    assert {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
+    target.load_adapter(tmp_path)
+    assert _which(target, adapters) in ("old", "new")
+
+
+def test_saving_into_a_file_or_over_a_folder_of_the_user_is_refused_and_changes_nothing(tmp_path, adapters):
+    old, new, _ = adapters
+    (tmp_path / "a-file").write_text("the user's")
+    for path in (tmp_path / "a-file", tmp_path / "a-file" / "adapter"):
+        with pytest.raises(ValueError, match=r"is a file, or inside one; save the adapter into a folder"):
+            new.save_pretrained(path)
+    assert (tmp_path / "a-file").read_text() == "the user's"
+    old.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "README.md").unlink()
+    (tmp_path / "adapter" / "README.md").mkdir()
+    (tmp_path / "adapter" / "README.md" / "draft.md").write_text("the user's card")
+    before = _contents(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"README\.md is a folder; move it away"):
+        new.save_pretrained(tmp_path / "adapter")
+    assert _contents(tmp_path / "adapter") == before
+    assert (tmp_path / "adapter" / "README.md" / "draft.md").read_text() == "the user's card"
+    assert not list((tmp_path / "adapter").glob(f"{STAGING_PREFIX}*"))
+
+
+def test_a_folder_that_cannot_be_written_is_named_and_left_as_it_was(tmp_path, adapters):
+    old, new, _ = adapters
+    old.save_pretrained(tmp_path)
+    before = _contents(tmp_path)
+    with (
+        patch("tempfile.mkdtemp", side_effect=PermissionError(13, "Permission denied")),  # a read-only folder
+        pytest.raises(PermissionError, match=rf"Cannot write into {tmp_path} \(Permission denied\); choose a writa"),
+    ):
+        new.save_pretrained(tmp_path)
+    assert _contents(tmp_path) == before and {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
+
+
+def test_a_symlink_to_a_folder_saves_into_that_folder(tmp_path, adapters):
+    _, new, target = adapters
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    new.save_pretrained(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and {path.name for path in (tmp_path / "real").iterdir()} == ADAPTER_FILES
+    target.load_adapter(tmp_path / "link")
+    assert _which(target, adapters) == "new"
