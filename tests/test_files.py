@@ -3,6 +3,7 @@ file system (the k-th write, flush or rename fails, or the process dies there), 
 load the same folder at once."""
 
 import builtins
+import importlib
 import itertools
 import os
 import threading
@@ -237,3 +238,107 @@ def test_a_symlink_to_a_folder_saves_into_that_folder(tmp_path, adapters):
     assert (tmp_path / "link").is_symlink() and {path.name for path in (tmp_path / "real").iterdir()} == ADAPTER_FILES
     target.load_adapter(tmp_path / "link")
     assert _which(target, adapters) == "new"
+
+
+def _memory(model, context):
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([context]))
+    return cache
+
+
+@contextmanager
+def _recorded_flushes():
+    """Record the flushes to disk (by the path of the flushed file or folder) and renames, in order."""
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(descriptor):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        return fsync(descriptor)
+
+    def recorded_replace(source, target):
+        events.append(("replace", os.fspath(source), os.fspath(target)))
+        return replace(source, target)
+
+    with patch.object(os, "fsync", recorded_fsync), patch.object(os, "replace", recorded_replace):
+        yield events
+
+
+def _flushed_then_renamed(events, target):
+    """Whether the file renamed last to `target` was flushed before, and its folder after (else a power cut can
+    leave an empty file, or the earlier one, under the name)."""
+    renames = [index for index, event in enumerate(events) if event[0] == "replace" and event[2] == os.fspath(target)]
+    if not renames:
+        return False
+    source = events[renames[-1]][1]
+    return ("fsync", source) in events[: renames[-1]] and ("fsync", os.path.dirname(target)) in events[renames[-1] :]
+
+
+def test_every_file_is_flushed_to_disk_before_it_replaces_the_earlier_one(tmp_path, adapters):
+    _, new, _ = adapters
+    with _recorded_flushes() as events:
+        new.save_pretrained(tmp_path / "adapter")
+        _memory(new, [5, 6, 7]).save(tmp_path / "memory.safetensors")
+    for name in ADAPTER_FILES:
+        assert _flushed_then_renamed(events, tmp_path / "adapter" / name), name
+    assert _flushed_then_renamed(events, tmp_path / "memory.safetensors")
+
+
+def test_saved_files_get_the_permissions_of_a_new_file_or_keep_those_they_had(tmp_path, adapters):
+    """safetensors stages its file readable by its owner alone: the adapter's weights and every memory file were
+    saved 0600 whatever the umask, unreadable to the serving user of a folder shared with the training one."""
+    _, new, _ = adapters
+    umask = os.umask(0o022)
+    os.umask(umask)
+    new.save_pretrained(tmp_path / "adapter")
+    _memory(new, [5, 6, 7]).save(tmp_path / "memory.safetensors")
+    for path in [*(tmp_path / "adapter").iterdir(), tmp_path / "memory.safetensors"]:
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    (tmp_path / "memory.safetensors").chmod(0o640)
+    (tmp_path / "adapter" / "adapter_model.safetensors").chmod(0o640)
+    new.save_pretrained(tmp_path / "adapter")
+    _memory(new, [5, 6]).save(tmp_path / "memory.safetensors")
+    assert (tmp_path / "memory.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_memory_saved_through_a_symbolic_link_replaces_the_file_it_leads_to(tmp_path, adapters):
+    """safetensors renamed its file over the link itself: the link became a separate file and the one it led to
+    kept the old memory, which the next load through another path read."""
+    from transformers_ccm import CompressedMemoryCache
+
+    _, new, _ = adapters
+    _memory(new, [5, 6]).save(tmp_path / "real.safetensors")
+    (tmp_path / "link.safetensors").symlink_to("real.safetensors")
+    longer = _memory(new, [5, 6, 7, 8])
+    longer.save(tmp_path / "link.safetensors")
+    assert (tmp_path / "link.safetensors").is_symlink()
+    assert (tmp_path / "real.safetensors").read_bytes() == (tmp_path / "link.safetensors").read_bytes()
+    loaded = CompressedMemoryCache.load(tmp_path / "real.safetensors", new)
+    assert loaded.memory_length == longer.memory_length
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link.safetensors", "real.safetensors"]
+
+
+_MEMORY_CALLS = {**_FILE_SYSTEM_CALLS, "save_file": ("transformers_ccm.cache", "save_file")}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(call=st.sampled_from(sorted(_MEMORY_CALLS)), k=st.integers(0, 6))
+def test_a_memory_save_that_fails_at_any_file_operation_keeps_the_earlier_file(tmp_path_factory, adapters, call, k):
+    from transformers_ccm import CompressedMemoryCache
+
+    _, new, _ = adapters
+    folder = tmp_path_factory.mktemp("memory")
+    path = folder / "user.safetensors"
+    _memory(new, [5, 6]).save(path)
+    before = path.read_bytes()
+    longer = _memory(new, [5, 6, 7, 8])
+    module, name = _MEMORY_CALLS[call]
+    try:
+        with _failing(importlib.import_module(module) if isinstance(module, str) else module, name, k):
+            longer.save(path)
+    except OSError as error:
+        assert "injected" in str(error)
+        assert path.read_bytes() == before
+    else:
+        assert CompressedMemoryCache.load(path, new).memory_length == longer.memory_length
+    assert [entry.name for entry in folder.iterdir()] == ["user.safetensors"]

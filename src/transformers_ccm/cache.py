@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
+from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
@@ -974,7 +975,8 @@ class CompressedMemoryCache(Cache):
 
     # ----- persistence -------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the memory to a safetensors file whose header identifies the model and adapter.
+        """Write the memory to a safetensors file whose header identifies the model and adapter. The file is
+        replaced whole (a failed save keeps the earlier one); a symbolic link keeps leading to it.
 
         Refused while another thread runs a call on the cache: its layers would be read half updated."""
         with self._claimed():
@@ -1012,7 +1014,8 @@ class CompressedMemoryCache(Cache):
             }
         # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
         metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
-        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()}, os.fspath(path), metadata)
+        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
+        replace_file(path, lambda temporary: save_file(tensors, temporary, metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: CacheSpec | Any) -> CompressedMemoryCache:

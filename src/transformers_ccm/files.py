@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -48,9 +49,13 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
             _remove_stale_staging(folder)
         with _staging(folder) as staging:
             (staging / "new").mkdir()
+            new_file_mode = _new_file_mode(staging)
             for path, write in paths.items():
-                write(os.fspath(staging / "new" / path.name))
-                _fsync(staging / "new" / path.name)
+                new = staging / "new" / path.name
+                write(os.fspath(new))
+                # Writers that stage a file of their own (safetensors) leave it readable by its owner alone.
+                os.chmod(new, _mode(path, new_file_mode))
+                _fsync(new)
             _swap(list(reversed(paths)), staging)
             _fsync(folder)
 
@@ -76,6 +81,23 @@ def _flock(descriptor: int, operation: int) -> bool:
     except OSError:  # a file system without flock (some network ones)
         return False
     return True
+
+
+def _new_file_mode(staging: Path) -> int:
+    """The permission bits a new file gets here: 0o666 less the umask (which cannot be read without setting it)."""
+    probe = staging / "mode"
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    mode = stat.S_IMODE(os.stat(probe).st_mode)
+    os.remove(probe)
+    return mode
+
+
+def _mode(path: Path, new_file_mode: int) -> int:
+    """The permission bits of the file at `path` once replaced: those it has, or those of a new file."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return new_file_mode
 
 
 def _one_folder(paths: Mapping[Path, object]) -> Path:
