@@ -1,11 +1,13 @@
 """The ccm command end to end on a tiny model that shares the embedded model's tokenizer."""
 
 import io
+import itertools
 import json
 import os
 import re
 import shutil
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -375,19 +377,17 @@ def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adap
 
 
 def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_path, monkeypatch, capsys):
-    from transformers_ccm.cache import CompressedMemoryCache
-
     memory = tmp_path / "user.safetensors"
     arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\n"))
     main([*arguments, "--max-new-tokens", "2"])
     before = memory.read_bytes()
 
-    def full_disk(self, path):
+    def full_disk(tensors, path, metadata=None):
         open(path, "wb").close()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(CompressedMemoryCache, "save", full_disk)
+    monkeypatch.setattr("transformers_ccm.cache.save_file", full_disk)
     monkeypatch.setattr("sys.stdin", io.StringIO("Still there?\nAnd now?\n"))
     main([*arguments, "--max-new-tokens", "2"])
     captured = capsys.readouterr()
@@ -537,6 +537,30 @@ def test_a_report_written_into_its_own_add_to_folder_survives_a_failed_write(
     main([*scoring, str(copy), "--add-to", str(report)])
     methods = {row["method"] for row in json.loads((report / "eval.json").read_text())["results"]}
     assert f"ccm-concat:{copy}" in methods and sorted(path.name for path in report.iterdir()) == sorted(before)
+    capsys.readouterr()
+
+
+def test_a_report_whose_files_fail_to_rename_keeps_every_file_of_the_earlier_report(
+    tiny_model, adapter, tmp_path, capsys
+):
+    """The files of a report were renamed into place one after another: a rename that failed left the new
+    stream_eval.json beside the earlier plot. Every rename of the swap fails once in turn here."""
+    report = tmp_path / "report"
+    stream_eval(tiny_model, adapter, report, "--tokens", "40")
+    before = {path.name: path.read_bytes() for path in report.iterdir()}
+    rename = os.replace
+    for k in range(3):  # the plot moved aside, the plot moved in, the report moved in
+        calls = itertools.count()
+
+        def failing_rename(*args, k=k, calls=calls):
+            if next(calls) == k:
+                raise OSError(5, "Input/output error (injected)")
+            return rename(*args)
+
+        with patch.object(os, "replace", failing_rename), pytest.raises(OSError, match="injected"):
+            stream_eval(tiny_model, adapter, report, "--tokens", "60")
+        assert {path.name: path.read_bytes() for path in report.iterdir()} == before
+    assert stream_eval(tiny_model, adapter, report, "--tokens", "60")["tokens"] == 60
     capsys.readouterr()
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
-from transformers_ccm.files import STAGING_PREFIX
+from transformers_ccm.files import STAGING_PREFIX, replace_files
 
 ADAPTER_FILES = {
     "adapter_config.json",
@@ -342,3 +342,64 @@ def test_a_memory_save_that_fails_at_any_file_operation_keeps_the_earlier_file(t
     else:
         assert CompressedMemoryCache.load(path, new).memory_length == longer.memory_length
     assert [entry.name for entry in folder.iterdir()] == ["user.safetensors"]
+
+
+def _report_writes(folder, label):
+    """The writes of a report of three files, each holding `label` and its name."""
+
+    def write(name):
+        def to(path):
+            with open(path, "w") as file:
+                file.write(f"{label} {name}")
+
+        return to
+
+    return {folder / name: write(name) for name in ("eval.json", "eval.png", "eval.md")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(call=st.sampled_from(["open", "os.replace", "os.fsync", "os.mkdir"]), k=st.integers(0, 8))
+def test_the_files_of_a_report_are_replaced_all_or_none(tmp_path_factory, call, k):
+    folder = tmp_path_factory.mktemp("report")
+    replace_files(_report_writes(folder, "old"))
+    (folder / "notes.txt").write_text("the user's own file")
+    try:
+        with _failing(*_FILE_SYSTEM_CALLS[call], k):
+            replace_files(_report_writes(folder, "new"))
+    except OSError as error:
+        assert "injected" in str(error)
+        expected = "old"
+    else:
+        expected = "new"
+    assert {path.name: path.read_text() for path in folder.iterdir()} == {
+        **{name: f"{expected} {name}" for name in ("eval.json", "eval.png", "eval.md")},
+        "notes.txt": "the user's own file",
+    }
+
+
+def test_two_threads_writing_one_report_leave_the_files_of_one_of_them(tmp_path):
+    """Staged under one name per process (`eval.<pid>.tmp.json`), two threads wrote into the same temporary files,
+    and one removed the other's before its rename."""
+    errors, threads = [], []
+
+    def write_other():
+        try:
+            replace_files(_report_writes(tmp_path, "second"))
+        except Exception as error:
+            errors.append(error)
+
+    writes = _report_writes(tmp_path, "first")
+    first_write = writes[tmp_path / "eval.json"]
+
+    def write_while_another_thread_saves(path):
+        first_write(path)
+        thread = threading.Thread(target=write_other)
+        thread.start()
+        thread.join(timeout=0.3)  # long enough for a thread that is not held back to write its report
+        threads.append(thread)
+
+    replace_files({**writes, tmp_path / "eval.json": write_while_another_thread_saves})
+    threads[0].join()
+    assert not errors
+    labels = {path.read_text().split()[0] for path in tmp_path.iterdir()}
+    assert len(labels) == 1 and {path.name for path in tmp_path.iterdir()} == {"eval.json", "eval.png", "eval.md"}

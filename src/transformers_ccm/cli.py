@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 from transformers_ccm.extras import pyplot
+from transformers_ccm.files import replace_files
 from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
@@ -579,7 +580,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     summary = summarize(results)
     report, table = report_json(results, summary), markdown(results, summary)
     # The files replaced together: --output-dir may be the --add-to folder, whose report must survive a failure.
-    _replace_files(
+    replace_files(
         {
             output / "eval.json": lambda path: Path(path).write_text(report),
             output / "eval.png": lambda path: plot(results, path),
@@ -687,7 +688,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "streaming": asdict(ccm),
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
-    _replace_files(
+    replace_files(
         {
             output / "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
             output / "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
@@ -779,35 +780,11 @@ def _check_output_dir(path: str) -> None:
         raise ValueError(f"--output-dir {path} cannot be written ({error}); choose a writable place.") from None
 
 
-def _replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
-    """Replace the file at `path` in one step with what `write(temporary_path)` writes: a failed or interrupted
-    write keeps the previous file."""
-    _replace_files({path: write})
-
-
-def _replace_files(writes: dict[str | os.PathLike[str], Callable[[str], object]]) -> None:
-    """Replace each file at a key of `writes` with what its `write(temporary_path)` writes, every file written before
-    any is replaced: a failed or interrupted write keeps all the previous files, so that the files of one report
-    never sit beside those of another. The temporary paths keep the suffix (a plot's format follows it)."""
-    temporaries: dict[str, str] = {}
-    try:
-        for path, write in writes.items():
-            stem, suffix = os.path.splitext(os.fspath(path))
-            temporaries[os.fspath(path)] = f"{stem}.{os.getpid()}.tmp{suffix}"
-            write(temporaries[os.fspath(path)])
-        for path, temporary in temporaries.items():
-            os.replace(temporary, path)
-    finally:
-        for temporary in temporaries.values():
-            if os.path.exists(temporary):
-                os.remove(temporary)
-
-
 def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
     """Replace the memory file in one step (a failed save keeps the previous file); on failure, say so and keep
     the conversation going with the memory in hand."""
     try:
-        _replace_file(path, cache.save)
+        cache.save(path)
     except OSError as error:
         print(
             f"ccm chat: could not save the memory to {path} ({error}); it is kept for the next turn.", file=sys.stderr
