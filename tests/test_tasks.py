@@ -612,3 +612,21 @@ def test_people_long_replies_name_each_person_only_in_their_own_turn():
         for name in names.intersection(built.items):
             turns = [c for c in built.sample.contexts if re.search(rf"\b{name}\b", c)]
             assert len(turns) == 1, (name, turns)
+
+
+def test_save_jsonl_over_a_file_keeps_it_when_the_samples_fail_part_way(tmp_path):
+    """The file was opened for writing first: samples that failed part way (a generator that raises) left it cut
+    short, the earlier samples lost."""
+    path = tmp_path / "data.jsonl"
+    samples = make_samples("icl", "test", 3, steps=1)
+    save_jsonl(samples, path)
+    before = path.read_bytes()
+
+    def failing():
+        yield samples[0]
+        raise RuntimeError("the source of samples failed")
+
+    with pytest.raises(RuntimeError, match="the source of samples failed"):
+        save_jsonl(failing(), path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["data.jsonl"]
+    assert load_jsonl(path) == samples

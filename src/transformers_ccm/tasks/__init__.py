@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers_ccm.data import OnlineSample
+from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json
 from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
@@ -161,13 +162,18 @@ def _check_task(task: str) -> str:
 
 
 def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) -> None:
-    """Write samples as JSON lines `{"contexts": [...], "input": ..., "output": ..., "choices": [...]}`."""
-    with open(path, "w", encoding="utf-8") as file:
-        for sample in samples:
-            record = {"contexts": list(sample.contexts), "input": sample.input, "output": sample.output}
-            if sample.choices is not None:
-                record["choices"] = list(sample.choices)
-            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """Write samples as JSON lines `{"contexts": [...], "input": ..., "output": ..., "choices": [...]}`. The file
+    is replaced whole: `samples` that fail part way (a generator that raises) keep the file that was there."""
+
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as file:
+            for sample in samples:
+                record = {"contexts": list(sample.contexts), "input": sample.input, "output": sample.output}
+                if sample.choices is not None:
+                    record["choices"] = list(sample.choices)
+                file.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    replace_file(path, write)
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
