@@ -55,24 +55,31 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
                 write(os.fspath(new))
                 # Writers that stage a file of their own (safetensors) leave it readable by its owner alone.
                 os.chmod(new, _mode(path, new_file_mode))
-                _fsync(new)
+                _fsync_file(new)
             _swap(list(reversed(paths)), staging)
-            _fsync(folder)
+            _fsync_folder(folder)
 
 
 @contextmanager
 def folder_lock(folder: str | os.PathLike[str], exclusive: bool) -> Iterator[bool]:
     """Hold an advisory lock on `folder` within the context: exclusive for a writer, shared for a reader. Yields
     whether it is held (not on a file system without locks, nor for a folder that cannot be opened)."""
+    descriptor = _open_folder(folder)
     try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        yield False
-        return
-    try:
-        yield _flock(descriptor, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) if fcntl else False
+        yield descriptor is not None and _flock(descriptor, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     finally:
-        os.close(descriptor)  # which releases the lock
+        if descriptor is not None:
+            os.close(descriptor)  # which releases the lock
+
+
+def _open_folder(folder: str | os.PathLike[str]) -> int | None:
+    """A descriptor of `folder` to lock or flush, or None where folders cannot be opened or locked (Windows)."""
+    if fcntl is None:
+        return None
+    try:
+        return os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
 
 
 def _flock(descriptor: int, operation: int) -> bool:
@@ -117,8 +124,8 @@ def _staging(folder: Path) -> Iterator[Path]:
         raise type(error)(
             error.errno, f"Cannot write into {folder} ({error.strerror}); choose a writable folder."
         ) from None
-    descriptor = os.open(staging, os.O_RDONLY)
-    if fcntl:
+    descriptor = _open_folder(staging)
+    if descriptor is not None:
         _flock(descriptor, fcntl.LOCK_EX)
     kept = False
     try:
@@ -129,7 +136,8 @@ def _staging(folder: Path) -> Iterator[Path]:
     finally:
         if not kept:
             shutil.rmtree(staging, ignore_errors=True)
-        os.close(descriptor)
+        if descriptor is not None:
+            os.close(descriptor)
 
 
 class _KeptAside(OSError):
@@ -168,14 +176,24 @@ def _swap(paths: list[Path], staging: Path) -> None:
         raise
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries (the renames into it), to disk."""
+def _fsync_file(path: Path) -> None:
+    """Flush a file's content to disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
-    except OSError:
-        if not path.is_dir():  # some file systems cannot flush a folder; a file that cannot be flushed is an error
-            raise
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (the renames into it) to disk, where the platform and file system can."""
+    descriptor = _open_folder(folder)
+    if descriptor is None:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:  # some file systems cannot flush a folder; the renames are done, only their flush is left
+        pass
     finally:
         os.close(descriptor)
 
@@ -183,14 +201,11 @@ def _fsync(path: Path) -> None:
 def _remove_stale_staging(folder: Path) -> None:
     """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked)."""
     for staging in folder.glob(f"{STAGING_PREFIX}*"):
-        if not staging.is_dir() or staging.is_symlink():
+        descriptor = None if staging.is_symlink() or not staging.is_dir() else _open_folder(staging)
+        if descriptor is None:
             continue
         try:
-            descriptor = os.open(staging, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if fcntl and _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            if _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 shutil.rmtree(staging, ignore_errors=True)
         finally:
             os.close(descriptor)
