@@ -403,3 +403,28 @@ def test_two_threads_writing_one_report_leave_the_files_of_one_of_them(tmp_path)
     assert not errors
     labels = {path.read_text().split()[0] for path in tmp_path.iterdir()}
     assert len(labels) == 1 and {path.name for path in tmp_path.iterdir()} == {"eval.json", "eval.png", "eval.md"}
+
+
+@pytest.mark.parametrize("k", range(1, ADAPTER_RENAMES - 1))
+def test_a_swap_that_cannot_be_undone_says_where_the_earlier_files_are(tmp_path, adapters, k):
+    """Every rename from the k-th on fails (a disk gone read-only): the earlier files that were moved aside stay
+    where the error says, and moving them back gives the earlier adapter."""
+    old, new, _ = adapters
+    old.save_pretrained(tmp_path)
+    before = _contents(tmp_path)
+    calls, rename = itertools.count(), os.replace
+
+    def fails_from_k(*args):
+        if next(calls) >= k:
+            raise OSError(30, "Read-only file system (injected)")
+        return rename(*args)
+
+    with patch.object(os, "replace", fails_from_k), pytest.raises(OSError) as raised:
+        new.save_pretrained(tmp_path)
+    (staging,) = [path for path in tmp_path.iterdir() if path.name.startswith(STAGING_PREFIX)]
+    assert f"could not be put back: they are in {staging / 'old'}; move them back" in str(raised.value)
+    for path in (staging / "old").iterdir():
+        path.rename(tmp_path / path.name)
+    assert _contents(tmp_path) == before
+    new.save_pretrained(tmp_path)  # and the next save removes the staging folder
+    assert {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES

@@ -308,6 +308,31 @@ def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypa
     assert 'from_pretrained("me/tiny-ccm")' in uploaded["card"]
 
 
+def test_a_pushed_adapter_loads_back_whole_and_a_failed_upload_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The files handed to the Hub are one save (their manifest agrees with them); an upload that fails at the
+    network raises as it is and removes the folder it was staged in."""
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    staged = []
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        staged.append(Path(folder_path))
+        shutil.copytree(folder_path, tmp_path / f"hub-{len(staged)}")
+        if len(staged) == 2:
+            raise ConnectionError("the connection to the Hub was reset")
+        return "commit-info"
+
+    monkeypatch.setattr(FakeHfApi, "upload_folder", upload_folder)
+    model = _adapter(None, seed=3, update="merge")
+    model.push_to_hub("me/tiny-ccm")
+    with pytest.raises(ConnectionError, match="reset"):
+        model.push_to_hub("me/tiny-ccm")
+    assert not any(folder.exists() for folder in staged)
+    target = _adapter(None, seed=9)
+    target.load_adapter(tmp_path / "hub-1")
+    assert target.memory_signature() == model.memory_signature()
+
+
 @pytest.mark.parametrize(
     "repo_id", ["", "me/tiny/ccm", "me/tiny ccm", "../tiny", "ccm:smollm2-concat", "me/x.git", 5, None]
 )
