@@ -178,6 +178,32 @@ def test_a_load_in_another_thread_during_a_save_gets_the_old_or_the_new_adapter(
 
 
 @pytest.mark.parametrize("k", range(ADAPTER_RENAMES - 1))
+def test_without_locks_a_load_during_a_save_gets_one_adapter_or_refuses_the_mix(tmp_path, adapters, k):
+    """On a file system without flock (some network ones) a load can see the swap half done: the manifest then
+    refuses what it reads, and never gives weights of one save with the config of another."""
+    old, new, target = adapters
+    old.save_pretrained(tmp_path)
+    outcome = []
+
+    def load():
+        try:
+            target.load_adapter(tmp_path)
+            outcome.append(_which(target, adapters))
+        except (ValueError, FileNotFoundError) as error:
+            outcome.append(str(error))
+
+    patched, threads = _in_the_middle_of_a_save(k, load)
+    with patch("transformers_ccm.files._flock", return_value=False), patched:
+        new.save_pretrained(tmp_path)
+    threads[0].join()
+    assert (
+        outcome[0] in ("old", "new")
+        or "mixes files of different saves" in outcome[0]
+        or ("the adapter is incomplete" in outcome[0])
+    ), outcome[0]
+
+
+@pytest.mark.parametrize("k", range(ADAPTER_RENAMES - 1))
 def test_two_threads_saving_into_one_folder_leave_one_whole_adapter(tmp_path, adapters, k):
     old, new, target = adapters
     errors = []

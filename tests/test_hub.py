@@ -367,9 +367,6 @@ def test_missing_and_corrupt_files(tmp_path, base_folder):
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "adapter", broken)
     (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 30)
-    with pytest.raises(ValueError, match=r"mixes files of different saves: \['adapter_model\.safetensors'\]"):
-        CCMForCausalLM.from_pretrained(broken)
-    _record(broken)  # damaged as its manifest records it: the file itself is refused
     with pytest.raises(ValueError, match="corrupt adapter file"):
         CCMForCausalLM.from_pretrained(broken)
     (broken / "adapter_model.safetensors").unlink()
@@ -377,7 +374,9 @@ def test_missing_and_corrupt_files(tmp_path, base_folder):
         CCMForCausalLM.from_pretrained(broken)
     shutil.copy(tmp_path / "adapter" / "adapter_model.safetensors", broken)
     (broken / "ccm_config.json").write_text("{oops")
-    _record(broken)
+    with pytest.raises(ValueError, match=r"mixes files of different saves: \['ccm_config\.json'\]"):
+        CCMForCausalLM.from_pretrained(broken)
+    _record(broken)  # damaged as its manifest records it: the file itself is refused
     with pytest.raises(ValueError, match="corrupt"):
         CCMForCausalLM.from_pretrained(broken)
 

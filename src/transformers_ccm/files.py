@@ -41,9 +41,8 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
     for path in paths:
         if path.is_dir():  # moved aside, a folder of the user's would be deleted with the staging folder
             raise ValueError(f"{path} is a folder; move it away to save the file of that name there.")
-    names = [path.name for path in paths]
-    if len(set(names)) != len(names):
-        raise ValueError(f"Two files of one save have the same name: {names}.")
+    # A set is swapped under the exclusive lock; one file, replaced by one rename, needs only to keep out of a set's
+    # swap (and its removal of staging folders) with the shared one, so that saves of many files there run at once.
     with folder_lock(folder, exclusive=len(paths) > 1) as locked:
         if locked and len(paths) > 1:
             _remove_stale_staging(folder)

@@ -194,24 +194,28 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     """Read and check the adapter files in `folder`. Returns its config and weights (PEFT keys without prefix,
     plus `COMP_EMBEDDINGS_KEY`)."""
     # Read under the folder's shared lock: a save in another thread or process swaps the files under its exclusive
-    # lock, so they are all of one save. The JSON files are parsed from the bytes whose digests were checked.
+    # lock, so they are all of one save. Where there is no lock, the order still refuses a mix: the manifest first,
+    # the weights' digest last (a save in between changes it), and the JSON parsed from the bytes digested.
     with folder_lock(folder, exclusive=False):
         files = {
-            name: (folder / name).read_bytes() for name in (*VERIFIED_FILES, MANIFEST_NAME) if (folder / name).is_file()
+            name: (folder / name).read_bytes()
+            for name in (MANIFEST_NAME, CONFIG_NAME, ADAPTER_CONFIG_NAME)
+            if (folder / name).is_file()
         }
         if CONFIG_NAME not in files:
             raise FileNotFoundError(f"{folder} holds no CCM adapter: {_what_is_there(folder)}")
         for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
-            if name not in files:
+            if not (folder / name).is_file():
                 raise FileNotFoundError(
                     f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
                 )
-        _check_manifest(folder, files)
         try:  # safetensors' own reader: it knows every dtype (packed 4-bit floats too), for `_check_values` to name
             with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
                 tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
+        files[ADAPTER_WEIGHTS_NAME] = (folder / ADAPTER_WEIGHTS_NAME).read_bytes()
+    _check_manifest(folder, files)
     config = CCMConfig.from_json_bytes(files[CONFIG_NAME], str(folder / CONFIG_NAME))
     peft_config = parse_json_object(
         files[ADAPTER_CONFIG_NAME], str(folder / ADAPTER_CONFIG_NAME), "save or download it again."
