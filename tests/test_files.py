@@ -228,8 +228,9 @@ def test_two_threads_saving_into_one_folder_leave_one_whole_adapter(tmp_path, ad
 def test_saving_into_a_file_or_over_a_folder_of_the_user_is_refused_and_changes_nothing(tmp_path, adapters):
     old, new, _ = adapters
     (tmp_path / "a-file").write_text("the user's")
-    for path in (tmp_path / "a-file", tmp_path / "a-file" / "adapter"):
-        with pytest.raises(ValueError, match=r"is a file, or inside one; save the adapter into a folder"):
+    (tmp_path / "broken-link").symlink_to(tmp_path / "nowhere")
+    for path in (tmp_path / "a-file", tmp_path / "a-file" / "adapter", tmp_path / "broken-link"):
+        with pytest.raises(ValueError, match=r"is a file \(or a broken link\), or inside one; save the adapter into"):
             new.save_pretrained(path)
     assert (tmp_path / "a-file").read_text() == "the user's"
     old.save_pretrained(tmp_path / "adapter")

@@ -92,7 +92,9 @@ def save_adapter(
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"{folder} is a file, or inside one; save the adapter into a folder.") from None
+        raise ValueError(
+            f"{folder} is a file (or a broken link), or inside one; save the adapter into a folder."
+        ) from None
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
