@@ -455,3 +455,12 @@ def test_a_swap_that_cannot_be_undone_says_where_the_earlier_files_are(tmp_path,
     assert _contents(tmp_path) == before
     new.save_pretrained(tmp_path)  # and the next save removes the staging folder
     assert {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
+
+
+def test_a_file_system_that_refuses_permissions_still_takes_the_save(tmp_path, adapters):
+    """FAT (a USB stick) refuses chmod with EPERM: keeping a file's permissions must not make every save fail."""
+    _, new, target = adapters
+    with patch.object(os, "chmod", side_effect=PermissionError(1, "Operation not permitted")):
+        new.save_pretrained(tmp_path)
+    target.load_adapter(tmp_path)
+    assert _which(target, adapters) == "new"

@@ -52,8 +52,10 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
             for path, write in paths.items():
                 new = staging / "new" / path.name
                 write(os.fspath(new))
-                # Writers that stage a file of their own (safetensors) leave it readable by its owner alone.
-                os.chmod(new, _mode(path, new_file_mode))
+                # Writers that stage a file of their own (safetensors) leave it readable by its owner alone. File
+                # systems without Unix permissions (FAT, some network ones) refuse to set them: the file stays as is.
+                with suppress(PermissionError):
+                    os.chmod(new, _mode(path, new_file_mode))
                 _fsync_file(new)
             _swap(list(reversed(paths)), staging)
             _fsync_folder(folder)
