@@ -6,6 +6,7 @@ import builtins
 import importlib
 import itertools
 import os
+import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,37 +108,55 @@ def test_an_adapter_save_that_fails_at_any_file_operation_keeps_the_old_adapter_
     assert _which(target, adapters) == expected
 
 
+class _Killed(BaseException):
+    """The saving process died."""
+
+
+@contextmanager
+def _killed_at_rename(k):
+    """From the k-th rename on, as in a process killed there, no file operation takes effect (no undo, no cleanup);
+    the k-th raises `_Killed` (the kernel closes the descriptors, which releases their locks)."""
+    renames, dead = itertools.count(), []
+    replace, remove, rmtree = os.replace, os.remove, shutil.rmtree
+
+    def killable(operation):
+        def run(*args, **kwargs):
+            return None if dead else operation(*args, **kwargs)
+
+        return run
+
+    def rename(*args, **kwargs):
+        if next(renames) == k:
+            dead.append(True)
+            raise _Killed
+        return killable(replace)(*args, **kwargs)
+
+    with (
+        patch.object(os, "replace", rename),
+        patch.object(os, "remove", killable(remove)),
+        patch.object(shutil, "rmtree", killable(rmtree)),
+        pytest.raises(_Killed),
+    ):
+        yield
+
+
 @pytest.mark.parametrize("k", range(ADAPTER_RENAMES))
 def test_a_save_killed_at_any_rename_never_loads_as_a_mix(tmp_path, adapters, k):
     """A process killed during a save leaves the old adapter, the new one, or files the manifest refuses; the next
     save removes what the killed one left behind."""
     old, new, target = adapters
-    folder = tmp_path / "adapter"
-    old.save_pretrained(folder)
-    child = os.fork()
-    if child == 0:  # the saving process, killed at its k-th rename: no cleanup, no undo runs
-        calls, original = itertools.count(), os.replace
-
-        def killed_at_k(*args, **kwargs):
-            if next(calls) == k:
-                os._exit(0)
-            return original(*args, **kwargs)
-
-        os.replace = killed_at_k
-        try:
-            new.save_pretrained(folder)
-        finally:
-            os._exit(1)
-    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    old.save_pretrained(tmp_path)
+    with _killed_at_rename(k):
+        new.save_pretrained(tmp_path)
     try:
-        target.load_adapter(folder)
+        target.load_adapter(tmp_path)
     except (ValueError, FileNotFoundError) as error:
         assert "mixes files of different saves" in str(error) or "incomplete" in str(error), error
     else:
         assert _which(target, adapters) in ("old", "new")
-    new.save_pretrained(folder)
-    assert {path.name for path in folder.iterdir()} == ADAPTER_FILES
-    target.load_adapter(folder)
+    new.save_pretrained(tmp_path)
+    assert {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
+    target.load_adapter(tmp_path)
     assert _which(target, adapters) == "new"
 
 
