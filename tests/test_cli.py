@@ -364,11 +364,13 @@ def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adap
     locked.chmod(0o500)
     # The superuser writes into read-only folders; /sys refuses everyone.
     unwritable = locked if not os.access(locked, os.W_OK) else Path("/sys")
+    os.mkfifo(tmp_path / "pipe")  # a save renamed a file over it, after the first turn had run
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     for path, message in (
         (unwritable / "user.safetensors", "cannot be written"),
         (tmp_path / "missing" / "user.safetensors", "does not exist; create it first"),
         (tmp_path, "is a folder"),
+        (tmp_path / "pipe", "is not a regular file (a device or a pipe)"),
     ):
         with pytest.raises(SystemExit):
             main(["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(path)])

@@ -257,7 +257,7 @@ def test_saving_into_a_file_or_over_a_folder_of_the_user_is_refused_and_changes_
     (tmp_path / "adapter" / "README.md").mkdir()
     (tmp_path / "adapter" / "README.md" / "draft.md").write_text("the user's card")
     before = _contents(tmp_path / "adapter")
-    with pytest.raises(ValueError, match=r"README\.md is a folder; move it away"):
+    with pytest.raises(ValueError, match=r"README\.md is a folder; give the path of a file, or move it away"):
         new.save_pretrained(tmp_path / "adapter")
     assert _contents(tmp_path / "adapter") == before
     assert (tmp_path / "adapter" / "README.md" / "draft.md").read_text() == "the user's card"
@@ -483,3 +483,15 @@ def test_a_file_system_that_refuses_permissions_still_takes_the_save(tmp_path, a
         new.save_pretrained(tmp_path)
     target.load_adapter(tmp_path)
     assert _which(target, adapters) == "new"
+
+
+def test_a_memory_saved_to_a_pipe_or_device_is_refused_and_leaves_it_in_place(tmp_path, adapters):
+    """safetensors renamed its file over whatever the path named: as root, cache.save("/dev/null") replaced the
+    device with a regular file."""
+    _, new, _ = adapters
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link").symlink_to(tmp_path / "pipe")
+    for path in (tmp_path / "pipe", tmp_path / "link"):
+        with pytest.raises(ValueError, match=r"pipe is not a regular file \(a device, a pipe or a socket\); give the"):
+            _memory(new, [5, 6]).save(path)
+    assert (tmp_path / "pipe").is_fifo() and sorted(path.name for path in tmp_path.iterdir()) == ["link", "pipe"]

@@ -756,6 +756,8 @@ def _check_writable(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"--memory-file {path} is a folder; give a file path such as {path}/user.safetensors.")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"--memory-file {path} is not a regular file (a device or a pipe); give a file path.")
     if not os.path.isdir(folder):
         raise ValueError(f"--memory-file {path}: the folder {folder} does not exist; create it first.")
     try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)

@@ -39,8 +39,11 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
     paths = {Path(path): write for path, write in writes.items()}
     folder = _one_folder(paths)
     for path in paths:
-        if path.is_dir():  # moved aside, a folder of the user's would be deleted with the staging folder
-            raise ValueError(f"{path} is a folder; move it away to save the file of that name there.")
+        # Moved aside, a folder of the user's would be deleted with the staging folder; renamed over, a device such
+        # as /dev/null would be replaced by a file.
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file (a device, a pipe or a socket)"
+            raise ValueError(f"{path} is {kind}; give the path of a file, or move it away to save a file there.")
     # A set is swapped under the exclusive lock; one file, replaced by one rename, needs only to keep out of a set's
     # swap (and its removal of staging folders) with the shared one, so that saves of many files there run at once.
     with folder_lock(folder, exclusive=len(paths) > 1) as locked:
