@@ -1,8 +1,10 @@
 """Built-in online tasks and the JSONL format."""
 
 import json
+import os
 import random
 import re
+import threading
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -630,3 +632,18 @@ def test_save_jsonl_over_a_file_keeps_it_when_the_samples_fail_part_way(tmp_path
         save_jsonl(failing(), path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["data.jsonl"]
     assert load_jsonl(path) == samples
+
+
+def test_save_jsonl_writes_to_a_pipe_or_device_as_a_stream(tmp_path, capfd):
+    """Replaced by a rename, /dev/stdout redirected to a file (here: pytest's capture) lost what was written."""
+    samples = make_samples("icl", "test", 2, steps=1)
+    save_jsonl(samples, "/dev/stdout")
+    assert [json.loads(line)["output"] for line in capfd.readouterr().out.splitlines()] == [s.output for s in samples]
+    os.mkfifo(tmp_path / "pipe")
+    received = []
+    reader = threading.Thread(target=lambda: received.append((tmp_path / "pipe").read_text()), daemon=True)
+    reader.start()
+    save_jsonl(samples, tmp_path / "pipe")
+    reader.join()
+    assert [json.loads(line)["output"] for line in received[0].splitlines()] == [s.output for s in samples]
+    assert (tmp_path / "pipe").is_fifo()

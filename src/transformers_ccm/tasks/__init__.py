@@ -163,7 +163,8 @@ def _check_task(task: str) -> str:
 
 def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) -> None:
     """Write samples as JSON lines `{"contexts": [...], "input": ..., "output": ..., "choices": [...]}`. The file
-    is replaced whole: `samples` that fail part way (a generator that raises) keep the file that was there."""
+    is replaced whole: `samples` that fail part way (a generator that raises) keep the file that was there. A pipe or
+    a device (`/dev/stdout`) is written to as it is."""
 
     def write(temporary: str) -> None:
         with open(temporary, "w", encoding="utf-8") as file:
@@ -173,7 +174,11 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
                     record["choices"] = list(sample.choices)
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
-    replace_file(path, write)
+    # A pipe or a device takes a stream; so does /dev/stdout redirected to a file, which a rename would unlink.
+    if os.path.abspath(path).startswith("/dev/") or (os.path.exists(path) and not os.path.isfile(path)):
+        write(os.fspath(path))
+    else:
+        replace_file(path, write)
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
