@@ -17,18 +17,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from test_hub import ADAPTER_FILES
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
 from transformers_ccm.files import STAGING_PREFIX, replace_files
 
-ADAPTER_FILES = {
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "ccm_config.json",
-    "README.md",
-    "ccm_manifest.json",
-}
 # The renames of a save over an earlier adapter: each file but the last moved aside, then each new one moved in.
 ADAPTER_RENAMES = 2 * len(ADAPTER_FILES) - 1
 
