@@ -195,9 +195,9 @@ def _fsync_folder(folder: Path) -> None:
     if descriptor is None:
         return
     try:
-        os.fsync(descriptor)
-    except OSError:  # some file systems cannot flush a folder; the renames are done, only their flush is left
-        pass
+        # Some file systems cannot flush a folder; the renames are done, only their flush is left.
+        with suppress(OSError):
+            os.fsync(descriptor)
     finally:
         os.close(descriptor)
 
