@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import io
 import sys
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from tiny_models import (
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
+from transformers_ccm.modeling import _frequency_setting_rotaries, _one_at_a_time
 from transformers_ccm.streaming import StreamingConfig
 
 Result = list[object]
@@ -548,3 +550,23 @@ def test_streamers_of_two_threads_waiting_for_each_other_do_not_deadlock(rope):
             )
         )
     _assert_equal(replies, alone, "the replies")
+
+
+def test_a_longrope_model_pickles_and_loads_back_with_its_rotary_still_run_one_at_a_time():
+    """The rotary module of a LongRoPE model runs as a class made at wrapping time, which pickle (torch.save of the
+    model) looked up by the name of the class it replaced and refused as 'not the same object'."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig()))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    rotaries = [type(module) for module in _frequency_setting_rotaries(loaded.base_model)]
+    assert rotaries and all(rotary is _one_at_a_time(rotary.__mro__[1]) for rotary in rotaries)
+    ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for each in (model, loaded):
+        cache = each.new_cache()
+        each.compress(cache, ids)
+        with torch.no_grad():
+            logits.append(each(input_ids=torch.tensor([[5, 6]]), past_key_values=cache).logits)
+    _assert_equal(logits[0], logits[1], "the loaded model's logits")

@@ -1189,8 +1189,23 @@ def _one_at_a_time(rotary_class: type[nn.Module]) -> type[nn.Module]:
         with _ROTARY_FORWARDS:
             return rotary_class.forward(self, *args, **kwargs)
 
-    namespace = {"forward": forward, "__module__": rotary_class.__module__, "__qualname__": rotary_class.__qualname__}
+    def __reduce_ex__(self: nn.Module, protocol: int) -> tuple[Any, ...]:
+        # pickle (torch.save of the model) looks a class up by its name, which names `rotary_class`, not this one.
+        return _new_one_at_a_time, (rotary_class,), self.__getstate__()
+
+    namespace = {
+        "forward": forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": rotary_class.__module__,
+        "__qualname__": rotary_class.__qualname__,
+    }
     return type(rotary_class.__name__, (rotary_class,), namespace)
+
+
+def _new_one_at_a_time(rotary_class: type[nn.Module]) -> nn.Module:
+    """An empty module of `_one_at_a_time(rotary_class)`, for pickle to fill with a saved one's state."""
+    locked = _one_at_a_time(rotary_class)
+    return locked.__new__(locked)
 
 
 def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> torch.Tensor:
