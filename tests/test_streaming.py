@@ -331,3 +331,42 @@ def test_several_returned_sequences_leave_the_stream_as_it_was(tmp_path):
         assert torch.equal(keys, layer.keys)
     cache.save(tmp_path / "after.safetensors")
     assert (tmp_path / "after.safetensors").read_bytes() == (tmp_path / "before.safetensors").read_bytes()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from(["forward", "generate", "embeds", "beams"]), st.integers(1, 9)),
+        min_size=1,
+        max_size=4,
+    ),
+    rows=st.lists(st.integers(0, 1), min_size=1, max_size=3),
+)
+def test_a_stream_counts_every_token_fed_in_its_history_tokens(tmp_path_factory, calls, rows):
+    """`history_tokens` read 0 on a stream whatever it was fed: it counted only compressed memory's positions. It now
+    counts every token a stream took in (prompts, embedded ones, replies, compressed or evicted), and keeps the count
+    through copies, batch operations and save/load."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2, streaming=StreamingConfig(8, 2, 4, 4))
+    fed = 0
+    for kind, length in calls:
+        ids = torch.randint(3, VOCAB, (2, length))
+        if kind == "forward":
+            with torch.no_grad():
+                model(input_ids=ids, cache=cache)
+            fed += length
+            continue
+        prompt = {"inputs_embeds": model.get_input_embeddings()(ids)} if kind == "embeds" else {"input_ids": ids}
+        out = model.generate(
+            **prompt, cache=cache, max_new_tokens=3, min_new_tokens=3, num_beams=2 if kind == "beams" else 1
+        )
+        fed += length + 3
+        assert out.shape[1] == (3 if kind == "embeds" else length + 3)
+    assert cache.history_tokens.tolist() == [fed, fed]
+    copied = cache.copy()
+    copied.batch_repeat_interleave(2)
+    copied.batch_select_indices(torch.tensor(rows))
+    assert copied.history_tokens.tolist() == [fed] * len(rows)
+    path = tmp_path_factory.mktemp("stream") / "stream.safetensors"
+    cache.save(path)
+    assert type(cache).load(path, model).history_tokens.tolist() == [fed, fed]

@@ -96,7 +96,8 @@ class RowState:
     Attributes:
         memory_mask: `(batch, memory)` bool, the memory slots each row owns.
         turn_mask: `(batch, turn)` bool, the real (non-padding) tokens of the current turn.
-        next_position: `(batch,)` long, the logical ("skip") position of each row's next token.
+        next_position: `(batch,)` long, the logical ("skip") position of each row's next token (a stream: the count
+            of tokens it was fed; its positions are those of what it holds).
         steps: `(batch,)` long, contexts (streaming: chunks) compressed so far.
         rebased: `(batch,)` long, how far re-basing has moved each row's positions back in all: `next_position +
             rebased` counts the ordinary tokens the row has taken in.
@@ -405,9 +406,9 @@ class CompressedMemoryCache(Cache):
 
     @property
     def history_tokens(self) -> torch.Tensor:
-        """`(batch,)` long: the ordinary tokens (contexts, inputs, replies; no `<COMP>` slot) each row of a compressed
-        memory has taken in, what a full-context model would hold for the same history. Re-basing positions does not
-        change it, and it survives `save` and `load`."""
+        """`(batch,)` long: the ordinary tokens (contexts, inputs, replies; no `<COMP>` slot) each row has taken in
+        (a stream: every token fed, compressed, evicted or still held), what a full-context model would hold for the
+        same history. Re-basing positions does not change it, and it survives `save` and `load`."""
         return self.rows.next_position + self.rows.rebased
 
     @property
@@ -773,6 +774,8 @@ class CompressedMemoryCache(Cache):
         held = layer.kv_length
         position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
         self.turn_tokens += new
+        # A stream's positions are those of what it holds; `next_position` only counts its tokens (`history_tokens`).
+        self.rows = replace(self.rows, next_position=self.rows.next_position + new)
         if self._mask_free(sdpa, new):
             return position_ids, None
         return position_ids, _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
