@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -916,3 +917,83 @@ def test_load_adapter_keeps_the_models_lora_dropout(tmp_path):
     target = _adapter(None, seed=9, lora_dropout=0.0)
     target.load_adapter(tmp_path / "adapter")
     assert target.config.lora_dropout == 0.0 == target.base_model.peft_config["default"].lora_dropout
+
+
+@pytest.fixture(scope="module")
+def saved_adapter(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved") / "adapter"
+    tiny_ccm("llama").save_pretrained(folder)
+    return folder
+
+
+def _crafted_copy(saved_adapter: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the saved adapter and the path of its manifest."""
+    folder = tmp_path / f"crafted-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(saved_adapter, folder)
+    return folder, folder / "ccm_manifest.json"
+
+
+def _as_folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _as_pipe(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _as_link(target: str):
+    def craft(path: Path) -> None:
+        path.unlink()
+        path.symlink_to(target)
+
+    return craft
+
+
+@pytest.mark.parametrize(
+    "craft",
+    [_as_folder, _as_pipe, _as_link("/dev/zero"), _as_link("/no/such/file")],
+    ids=["folder", "named pipe", "link to /dev/zero", "broken link"],
+)
+def test_a_manifest_that_is_no_regular_file_is_refused_not_skipped(tmp_path, saved_adapter, craft):
+    """Such a manifest was skipped as if there were none, and the files loaded unchecked (a pipe or a device is
+    never opened: reading it would block or never end)."""
+    folder, manifest = _crafted_copy(saved_adapter, tmp_path)
+    craft(manifest)
+    with pytest.raises(ValueError, match=rf"{manifest} is not a regular file"):
+        hub_module.read_adapter(folder)
+
+
+def test_a_manifest_larger_than_any_is_refused_before_it_is_read_whole(tmp_path, saved_adapter):
+    folder, manifest = _crafted_copy(saved_adapter, tmp_path)
+    with manifest.open("r+b") as file:
+        file.truncate(1 << 30)  # sparse: a gigabyte of zeros that takes no disk
+    with pytest.raises(ValueError, match=rf"{manifest} is larger than"):
+        hub_module.read_adapter(folder)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    field=st.sampled_from(["format_version", "sha256", "ccm_config.json", "adapter_model.safetensors"]),
+    value=_JSON_VALUES | st.from_regex(r"[0-9a-fA-F]{63,65}", fullmatch=True),
+)
+def test_any_value_in_a_manifest_loads_the_adapter_or_is_refused_naming_the_manifest(
+    tmp_path, saved_adapter, field, value
+):
+    """A format version that only equals 1 (`true`, 1.0) was taken for version 1, and a digest that is no string
+    of 64 hexadecimal digits was reported as files of two saves."""
+    folder, manifest = _crafted_copy(saved_adapter, tmp_path)
+    content = json.loads(manifest.read_text())
+    if field in ("format_version", "sha256"):
+        content[field] = value
+    else:
+        content["sha256"][field] = value
+    manifest.write_text(json.dumps(content))
+    if (field == "format_version" and value == 1 and type(value) is int) or (
+        field not in ("format_version", "sha256") and value == hub_module._digest((folder / field).read_bytes())
+    ):
+        hub_module.read_adapter(folder)
+        return
+    with pytest.raises(ValueError, match=re.escape(str(manifest))):
+        hub_module.read_adapter(folder)

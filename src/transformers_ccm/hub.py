@@ -34,12 +34,15 @@ from transformers_ccm.config import CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
 from transformers_ccm.files import folder_lock, replace_files
 from transformers_ccm.json_reading import parse_json_object
+from transformers_ccm.validation import is_int
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 MODEL_CARD_NAME = "README.md"
 MANIFEST_NAME = "ccm_manifest.json"
 MANIFEST_VERSION = 1
+# A manifest of ours is some 300 bytes: a larger file is none, and is refused before it is read whole.
+MANIFEST_MAX_BYTES = 1 << 16
 # The files whose digests the manifest records, in the order they are written (and swapped in backwards).
 VERIFIED_FILES = (CONFIG_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
 ADAPTER_FILES = (*VERIFIED_FILES, MODEL_CARD_NAME, MANIFEST_NAME)
@@ -132,6 +135,11 @@ def _digest(content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()
 
 
+def _is_digest(value: object) -> bool:
+    """Whether `value` is written as `_digest` writes one."""
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
 def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     from transformers_ccm import __version__
 
@@ -199,11 +207,11 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     # lock, so they are all of one save. Where there is no lock, the order still refuses a mix: the manifest first,
     # the weights' digest last (a save in between changes it), and the JSON parsed from the bytes digested.
     with folder_lock(folder, exclusive=False):
-        files = {
-            name: (folder / name).read_bytes()
-            for name in (MANIFEST_NAME, CONFIG_NAME, ADAPTER_CONFIG_NAME)
-            if (folder / name).is_file()
-        }
+        manifest = _read_manifest(folder / MANIFEST_NAME)
+        names = (CONFIG_NAME, ADAPTER_CONFIG_NAME)
+        files = {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
+        if manifest is not None:
+            files[MANIFEST_NAME] = manifest
         if CONFIG_NAME not in files:
             raise FileNotFoundError(f"{folder} holds no CCM adapter: {_what_is_there(folder)}")
         for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
@@ -229,6 +237,26 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
 
 
+def _read_manifest(path: Path) -> bytes | None:
+    """The bytes of the manifest at `path`, or None where there is none. Anything else there (a folder, a pipe, a
+    device, a broken link, a file too large to be one) raises: skipped, it would let the files load unchecked."""
+    if not os.path.lexists(path):
+        return None
+    if not path.is_file():  # checked before opening: a pipe or /dev/zero would block or never end
+        raise ValueError(
+            f"{path} is not a regular file (a folder, a pipe, a device or a broken link), so the adapter's files "
+            f"cannot be checked against it; save the adapter again, or delete {path}."
+        )
+    with open(path, "rb") as file:
+        content = file.read(MANIFEST_MAX_BYTES + 1)
+    if len(content) > MANIFEST_MAX_BYTES:
+        raise ValueError(
+            f"{path} is larger than {MANIFEST_MAX_BYTES} bytes, which no manifest is; save the adapter again, or "
+            f"delete {path}."
+        )
+    return content
+
+
 def _check_manifest(folder: Path, files: dict[str, bytes]) -> None:
     """Raise unless the `files` read from `folder` are those its manifest records (none: an adapter saved before
     manifests, or put together by hand, is checked by its content alone)."""
@@ -236,14 +264,21 @@ def _check_manifest(folder: Path, files: dict[str, bytes]) -> None:
         return
     path = folder / MANIFEST_NAME
     manifest = parse_json_object(files[MANIFEST_NAME], str(path), "save the adapter again.")
-    if manifest.get("format_version") != MANIFEST_VERSION:
+    version = manifest.get("format_version")
+    if not is_int(version) or version != MANIFEST_VERSION:  # not `true` nor 1.0, which equal 1
         raise ValueError(
-            f"{path} has format_version {manifest.get('format_version')!r}, but this transformers-ccm reads version "
+            f"{path} has format_version {version!r}, but this transformers-ccm reads version "
             f"{MANIFEST_VERSION}; upgrade transformers-ccm, or save the adapter again."
         )
     recorded = manifest.get("sha256")
     if not isinstance(recorded, dict):
         raise ValueError(f"{path} records no sha256 digests; save the adapter again.")
+    malformed = [name for name in VERIFIED_FILES if not _is_digest(recorded.get(name))]
+    if malformed:
+        raise ValueError(
+            f"{path} records no SHA-256 digest (64 lowercase hexadecimal digits) of {malformed}; save the adapter "
+            "again."
+        )
     differing = [name for name in VERIFIED_FILES if recorded.get(name) != _digest(files[name])]
     if differing:
         raise ValueError(
