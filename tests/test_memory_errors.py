@@ -234,6 +234,11 @@ CRAFTED = {
     "a negative re-basing": ({"tensors": _with("rebased", torch.tensor([0, -1]))}, "must be >= 0"),
     "a re-basing of another dtype": ({"tensors": _with("rebased", torch.zeros(2, dtype=torch.int32))}, "'rebased' is"),
     "a history that overflows": ({"tensors": _with("rebased", torch.tensor([2**63 - 1, 0]))}, "must be >= 0"),
+    # One short of overflowing: the next turn wrapped the count to a negative one, which `save` wrote.
+    "a history that a turn would overflow": (
+        {"tensors": _with("rebased", torch.tensor([2**63 - 10, 0]))},
+        "more than any memory does (4611686018427387904)",
+    ),
     "a position past the model's": (
         {"tensors": _with("next_position", torch.tensor([2**62, 5]))},
         "'next_position' [4611686018427387904, 5] passes the model's 512 positions",
@@ -543,3 +548,37 @@ def test_a_turn_of_padding_alone_is_folded(tmp_path, update):
     reply = model.generate(torch.tensor([[13]]), past_key_values=cache, max_new_tokens=2, do_sample=False)
     again = model.generate(torch.tensor([[13]]), past_key_values=expected, max_new_tokens=2, do_sample=False)
     assert torch.equal(reply, again)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rebased=st.lists(
+        # Small counts, those about the bound, and those a few tokens short of int64's limit.
+        st.integers(0, 2**20) | st.integers(2**62 - 64, 2**62 + 64) | st.integers(2**63 - 64, 2**63 - 1),
+        min_size=2,
+        max_size=2,
+    )
+)
+def test_a_memory_that_loads_keeps_a_true_count_of_its_history_through_later_turns(tmp_path, rebased):
+    """A count of re-based tokens just short of int64's limit loaded, the next turn wrapped the history to a
+    negative count, and `save` wrote a file that `load` refused. A file past the bound is refused, and so is a turn
+    that would take a memory past it."""
+    model = tiny_ccm("llama")
+    path = tmp_path / "user.safetensors"
+    _filled(model).save(path)
+    _rewrite(path, tensors=_with("rebased", torch.tensor(rebased)))
+    try:
+        cache = CompressedMemoryCache.load(path, model)
+    except ValueError as error:
+        assert str(path) in str(error)
+        return
+    before = cache.history_tokens.clone()
+    try:
+        model.compress(cache, torch.tensor([[5, 6, 7, 8]] * 2))
+    except ValueError as error:  # refused only at the bound, and then the memory is as it was
+        assert "more would pass the most a memory counts" in str(error)
+        assert torch.equal(cache.history_tokens, before)
+    else:
+        assert bool((cache.history_tokens > before).all())
+    cache.save(path)
+    assert torch.equal(CompressedMemoryCache.load(path, model).history_tokens, cache.history_tokens)

@@ -47,6 +47,9 @@ MEMORY_FORMAT = "transformers-ccm-memory"
 MEMORY_FORMAT_VERSION = "3"
 # The signature fields that files of older format versions did not record: version 1 identified neither the base
 # weights nor, as version 2, the LoRA scaling, the gate and the base config. Such a file is checked on the rest.
+# The most tokens a row may take in (`history_tokens`): far beyond any real history, and bounded (a file is refused
+# past it, a turn that would pass it too) so that the count never overflows int64 and every saved memory loads.
+_MOST_HISTORY_TOKENS = 2**62
 _UNRECORDED = {
     "1": ("base_fingerprint", "lora_scaling", "conditional_lora", "base_config"),
     "2": ("lora_scaling", "conditional_lora", "base_config"),
@@ -617,6 +620,11 @@ class CompressedMemoryCache(Cache):
     def _prepare_turn_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
         """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
         counts = new_mask.sum(-1)
+        if bool((self.history_tokens > _MOST_HISTORY_TOKENS - counts).any()):  # subtracted: the sum could overflow
+            raise ValueError(
+                f"This memory's rows have taken in {self.history_tokens.tolist()} tokens; {counts.tolist()} more would "
+                f"pass the most a memory counts ({_MOST_HISTORY_TOKENS}). Start a new cache for these users."
+            )
         self._fit_positions(counts)
         rows = self.rows
         position_ids = (rows.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -1173,8 +1181,14 @@ class _MemoryFile:
         if "rebased" in self.tensors:
             rebased = self._tensor("rebased", torch.long, (batch,))
         # Their sum is the row's history in tokens: one that overflows int64 wraps to a negative count.
-        if any(bool((values < 0).any()) for values in (positions, steps, rebased, positions + rebased)):
+        history = positions + rebased
+        if any(bool((values < 0).any()) for values in (positions, steps, rebased, history)):
             raise self._fail("'next_position', 'steps', 'rebased' and 'next_position' + 'rebased' must be >= 0")
+        if bool((history > _MOST_HISTORY_TOKENS).any()):
+            raise self._fail(
+                f"its rows have taken in {history.tolist()} tokens ('next_position' + 'rebased'), more than any memory "
+                f"does ({_MOST_HISTORY_TOKENS})"
+            )
         config, n = self.spec.config, self.spec.config.num_comp_tokens
         if self.streaming is not None:
             most = self.streaming.memory_slots(config)
