@@ -264,8 +264,15 @@ CRAFTED = {
     ),
     "a format version that is no string": (
         {"metadata": _header_edit(lambda h: h.update(format_version=2))},
-        "its format_version is 2, not a string such as '3'",
+        "its format_version is 2, not a version number written as '3' is",
     ),
+    **{
+        f"a format version written as {version!r}": (
+            {"metadata": _header_edit(lambda h, version=version: h.update(format_version=version))},
+            f"its format_version is {version!r}, not a version number",
+        )
+        for version in ["3.0", "03", " 3", "3\n", "", "III", "-3"]
+    },
     "a header nested too deeply": (
         {"metadata": lambda header: {MEMORY_FORMAT: "[" * 100_000 + "]" * 100_000}},
         "its header is nested too deeply",

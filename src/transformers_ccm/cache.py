@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1079,8 +1080,12 @@ class _MemoryFile:
         self.path, self.tensors, self.spec = path, tensors, spec
         header = self._header(metadata)
         version = header.get("format_version")
-        if not isinstance(version, str):  # a later version would still be a string: this file is damaged
-            raise self._fail(f"its format_version is {version!r}, not a string such as {MEMORY_FORMAT_VERSION!r}")
+        # A later version would still be a number written in decimal ("4"): anything else ("3.0", " 3") is damage,
+        # which upgrading would not help.
+        if not isinstance(version, str) or re.fullmatch(r"[1-9][0-9]*", version) is None:
+            raise self._fail(
+                f"its format_version is {version!r}, not a version number written as {MEMORY_FORMAT_VERSION!r} is"
+            )
         if version not in (*_UNRECORDED, MEMORY_FORMAT_VERSION):
             raise ValueError(
                 f"{path} has memory format version {version!r}; this transformers-ccm reads versions "
