@@ -589,3 +589,33 @@ def test_a_memory_that_loads_keeps_a_true_count_of_its_history_through_later_tur
         assert bool((cache.history_tokens > before).all())
     cache.save(path)
     assert torch.equal(CompressedMemoryCache.load(path, model).history_tokens, cache.history_tokens)
+
+
+_SIGNATURE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.just("x" * 100_000),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | st.just("k" * 100_000), inner, max_size=3)
+    ),
+    max_leaves=8,
+) | st.builds(lambda count: {f"entry{index}": index for index in range(count)}, st.integers(0, 50_000))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    field=st.sampled_from(["lora_scaling", "conditional_lora", "base_config", "base_fingerprint"]),
+    value=_SIGNATURE_VALUES,
+)
+def test_any_value_in_a_signature_field_is_refused_in_a_message_of_a_few_lines(tmp_path, field, value):
+    """A signature of tens of thousands of entries, or of one huge string, was named in full: a message of
+    megabytes, in every log that recorded it."""
+    model = tiny_ccm("llama")
+    path = tmp_path / "user.safetensors"
+    _filled(model).save(path)
+    own = json.loads(_header(path))["signature"][field]
+    _rewrite(path, metadata=_header_edit(lambda header: header["signature"].update({field: value})))
+    if value == own:  # `true` for True, 2 for 2.0: the same value in JSON
+        CompressedMemoryCache.load(path, model)
+        return
+    with pytest.raises(ValueError, match=re.escape(f"{path} was made by another model or adapter ({field}")) as error:
+        CompressedMemoryCache.load(path, model)
+    assert len(str(error.value)) < 20_000  # 32 differences, each name and value cut at 100 characters

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1363,10 +1364,19 @@ def _attend_held_then_causal(batch_size: int, held: int, new: int, device: torch
     return mask[None, None].expand(batch_size, 1, new, held + new)
 
 
+# A crafted file's signature may differ in any number of entries, of any size: the message names the first ones
+# (more than two real base configs differ in), each name and value cut short, not megabytes of them.
+_SHOWN_DIFFERENCES = 32
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 100
+
+
 def _differences(found: dict[str, Any], expected: dict[str, Any], source: str) -> str:
     """The fields of `expected` that `found` does not match, as 'field: source X vs model Y, ...'; inside a field
     that holds an object (the base config), only its entries that differ, as 'field.entry: ...'."""
-    return ", ".join(_differing(found, expected, source, sorted(expected)))
+    differing = _differing(found, expected, source, sorted(expected))
+    more = len(differing) - _SHOWN_DIFFERENCES
+    return ", ".join(differing[:_SHOWN_DIFFERENCES] + ([f"and {more} more"] if more > 0 else []))
 
 
 def _differing(found: dict[str, Any], expected: dict[str, Any], source: str, keys: list[str]) -> list[str]:
@@ -1375,9 +1385,10 @@ def _differing(found: dict[str, Any], expected: dict[str, Any], source: str, key
         got, wanted = found.get(key), expected.get(key)
         if got == wanted:
             continue
+        name = key if len(key) <= _SHORT_REPR.maxstring else f"{key[: _SHORT_REPR.maxstring]}..."
         if isinstance(got, dict) and isinstance(wanted, dict):
             inner = _differing(got, wanted, source, sorted(got.keys() | wanted.keys()))
-            differing += [f"{key}.{difference}" for difference in inner]
+            differing += [f"{name}.{difference}" for difference in inner]
         else:
-            differing.append(f"{key}: {source} {got!r} vs model {wanted!r}")
+            differing.append(f"{name}: {source} {_SHORT_REPR.repr(got)} vs model {_SHORT_REPR.repr(wanted)}")
     return differing
