@@ -47,11 +47,11 @@ logger = logging.getLogger(__name__)
 
 MEMORY_FORMAT = "transformers-ccm-memory"
 MEMORY_FORMAT_VERSION = "3"
-# The signature fields that files of older format versions did not record: version 1 identified neither the base
-# weights nor, as version 2, the LoRA scaling, the gate and the base config. Such a file is checked on the rest.
 # The most tokens a row may take in (`history_tokens`): far beyond any real history, and bounded (a file is refused
 # past it, a turn that would pass it too) so that the count never overflows int64 and every saved memory loads.
 _MOST_HISTORY_TOKENS = 2**62
+# The signature fields that files of older format versions did not record: version 1 identified neither the base
+# weights nor, as version 2, the LoRA scaling, the gate and the base config. Such a file is checked on the rest.
 _UNRECORDED = {
     "1": ("base_fingerprint", "lora_scaling", "conditional_lora", "base_config"),
     "2": ("lora_scaling", "conditional_lora", "base_config"),
