@@ -4,6 +4,7 @@ Every held slot keeps its key un-rotated (rotated back from the position it was 
 model's own rotary functions); each step rotates all slots to positions 0..n-1 and runs the model with an
 ordinary `DynamicCache`. Compression runs the `<COMP>` tokens over [sink | memory | oldest chunk]; with
 `keep_window_full` the chunk stays in the window and its slots leave one by one as new tokens need room.
+Sliding-window layers see the slots less than their window back, and the memory always.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ def _rotary(model: CCMForCausalLM):
     return module, apply
 
 
-def _rotate(model: CCMForCausalLM, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """keys `(batch, heads, len, dim)` rotated by `positions` `(len,)` with the model's own RoPE code."""
+def _rotate(model: CCMForCausalLM, keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """keys `(batch, heads, len, dim)` of layer `layer` rotated by `positions` `(len,)` with the model's own RoPE code
+    (Gemma 3's for the layer's type: its local and global layers rotate with different frequencies)."""
     module, apply = _rotary(model)
-    cos, sin = module(keys, positions[None].expand(keys.shape[0], -1))
+    layer_types = getattr(model.base_model.config, "layer_types", None)
+    by_type = {"layer_type": layer_types[layer]} if layer_types and hasattr(module, "layer_types") else {}
+    cos, sin = module(keys, positions[None].expand(keys.shape[0], -1), **by_type)
     rotated, _ = apply(keys, keys, cos, sin)
     return rotated
 
@@ -58,23 +62,44 @@ class ReferenceStream:
         for layer in range(self.model.base_model.config.num_hidden_layers):
             keys = torch.cat([slot.keys[layer] for slot in slots], dim=2)
             values = torch.cat([slot.values[layer] for slot in slots], dim=2)
-            data.append((_rotate(self.model, keys, positions), values))
+            data.append((_rotate(self.model, keys, positions, layer), values))
         return DynamicCache(ddp_cache_data=data)
 
+    def _sliding_mask(self, start: int, q: int, batch: int) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The mask of `q` queries at positions `start..` for a model with sliding-window layers (None without):
+        those layers see the slots less than the window back, and the memory slots (after the sink) always."""
+        config = self.model.base_model.config
+        size = getattr(config, "sliding_window", None)
+        if not size:
+            return None
+        keys, queries = torch.arange(start + q), torch.arange(start, start + q)
+        causal = keys[None, :] <= queries[:, None]
+        near = queries[:, None] - keys[None, :] < size
+        near[:, len(self.sink) : len(self.sink) + len(self.memory)] = True
+        causal, sliding = causal.expand(batch, 1, q, -1), (causal & near).expand(batch, 1, q, -1)
+        if getattr(config, "layer_types", None):
+            return {"full_attention": causal, "sliding_attention": sliding}
+        return sliding
+
     def _run(self, held: list[Slot], embeds: torch.Tensor) -> tuple[torch.Tensor, list[Slot]]:
-        """Run `embeds` `(batch, q, hidden)` after `held`; returns logits and the new slots (un-rotated)."""
+        """Run `embeds` `(batch, q, hidden)` after `held` (the sink and memory first); returns logits and the new
+        slots (un-rotated)."""
         cache = self._cache(held)
         start, q = len(held), embeds.shape[1]
         positions = torch.arange(start, start + q)
         out = self.model.base_model(
             inputs_embeds=embeds,
             position_ids=positions[None].expand(embeds.shape[0], -1),
+            attention_mask=self._sliding_mask(start, q, embeds.shape[0]),
             **{CACHE_ARGUMENT: cache},
         )
         slots = []
         for i in range(q):
             where = slice(start + i, start + i + 1)
-            keys = [_rotate(self.model, layer.keys[:, :, where], -positions[i : i + 1]) for layer in cache.layers]
+            keys = [
+                _rotate(self.model, layer.keys[:, :, where], -positions[i : i + 1], index)
+                for index, layer in enumerate(cache.layers)
+            ]
             slots.append(Slot(keys, [layer.values[:, :, where] for layer in cache.layers]))
         return out.logits, slots
 

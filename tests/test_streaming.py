@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from streaming_reference import ReferenceStream
+from test_sliding_window import windowed_model
 from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.modeling import CACHE_ARGUMENT
@@ -111,6 +112,36 @@ def test_ccm_stream_equals_compress_then_evict_reference(
         keep_window_full=keep_window_full,
     )
     ids = torch.randint(3, VOCAB, (2, length))
+    ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    architecture=st.sampled_from(("mistral", "gemma2", "gemma3")),
+    update=st.sampled_from(("concat", "merge")),
+    size=st.integers(1, 5),
+    sink=st.integers(0, 2),
+    extra_window=st.integers(0, 6),
+    piece=st.integers(1, 3),
+    compress=st.booleans(),
+    keep_window_full=st.booleans(),
+)
+def test_a_stream_keeps_the_sliding_window_of_the_model(
+    architecture, update, size, sink, extra_window, piece, compress, keep_window_full
+):
+    """Sliding-window layers of a stream (StreamingLLM as the base model runs it, or CCM) see the sink and window tokens
+    less than their window back, and the memory always; they saw the whole stream."""
+    model = windowed_model(architecture, size, update)
+    config = StreamingConfig(
+        window_tokens=3 + extra_window,
+        sink_tokens=sink,
+        compress_chunk=3,
+        max_memory_tokens=2,
+        compress=compress,
+        keep_window_full=keep_window_full,
+    )
+    ids = torch.randint(3, VOCAB, (2, 30))
     ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 

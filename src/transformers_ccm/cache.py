@@ -770,8 +770,9 @@ class CompressedMemoryCache(Cache):
         )
 
     # ----- streaming ---------------------------------------------------------------------------------------------
-    def _prepare_stream_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens after everything held, at the next positions; they attend to all of it."""
+    def _prepare_stream_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
+        """Append the new tokens after everything held, at the next positions; they attend to all of it (sliding
+        layers: see `_attend_stream`)."""
         streaming = self._streaming()
         self.check_unpadded(new_mask)
         new = new_mask.shape[1]
@@ -788,7 +789,7 @@ class CompressedMemoryCache(Cache):
         self.rows = replace(self.rows, next_position=self.rows.next_position + new)
         if self._mask_free(sdpa, new):
             return position_ids, None
-        return position_ids, _attend_held_then_causal(self.batch_size, held, new, new_mask.device)
+        return position_ids, self._attend_stream(held, new, new_mask.device)
 
     def input_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The attention mask that new tokens of a forward keep: a stream takes unpadded input only (checked),
@@ -827,12 +828,13 @@ class CompressedMemoryCache(Cache):
         if self.compressed_in_window:
             self._drop_oldest(self.compressed_in_window)
 
-    def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, Any]:
         """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
 
         Returns:
             a `DynamicCache` holding those keys/values (views of this cache's tensors), the `<COMP>` positions
-            `(batch, n_comp)` (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)`.
+            `(batch, n_comp)` (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)`
+            (`_attend_stream`).
         """
         layer = self.layers[0]
         length = layer.sink_length + layer.memory_length + self._streaming().compress_chunk
@@ -840,7 +842,23 @@ class CompressedMemoryCache(Cache):
         n = self.config.num_comp_tokens
         device = layer.keys.device
         position_ids = torch.arange(length, length + n, device=device)[None].expand(self.batch_size, -1)
-        return prefix, position_ids, _attend_held_then_causal(self.batch_size, length, n, device)
+        return prefix, position_ids, self._attend_stream(length, n, device)
+
+    def _attend_stream(self, held: int, new: int, device: torch.device) -> Any:
+        """The mask of `new` tokens at positions `held..` after the first `held` positions of the stream: `(batch, 1,
+        new, held + new)` bool, every held position and the new ones up to itself (`_attend_held_then_causal`). For a
+        model with sliding-window layers (a dict by layer type where it mixes them), those see the sink and window
+        tokens less than their window back, and the memory always, as in a turn (`_prepare_turn_forward`): given
+        the whole stream, they attended far past the window the model was trained with."""
+        mask = _attend_held_then_causal(self.batch_size, held, new, device)
+        window = self.spec.sliding_window
+        if window is None:
+            return mask
+        layer = self.layers[0]
+        key_positions = torch.arange(held + new, device=device)
+        key_positions[layer.sink_length : layer.sink_length + layer.memory_length] = ALWAYS_VISIBLE
+        query_positions = key_positions[held:][None].expand(self.batch_size, -1)
+        return window.apply(mask, query_positions, key_positions[None].expand(self.batch_size, -1))
 
     def fold_chunk(self, prefix: DynamicCache) -> None:
         """Put the `<COMP>` keys/values just appended to `prefix` into memory, drop the oldest chunk of the
