@@ -11,11 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from fault_injection import assert_same, snapshot
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import (
     CCMConfig,
@@ -1239,14 +1240,20 @@ def test_gpt2_history_past_its_positions_is_refused_with_the_fix():
     model.compress(cache, torch.tensor([[5, 6]]))  # the failed call left a usable cache
 
 
-def test_rotary_positions_are_rebased_exactly():
-    """A model with 64 positions and its twin with 512 agree on a history of several hundred tokens."""
+def short_and_long_twins() -> tuple[CCMForCausalLM, CCMForCausalLM]:
+    """Two tiny Llama CCM models with the same weights, of 64 and 512 positions."""
     short = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
     long_base = tiny_base("llama")
     long_base.config.max_position_embeddings = 512
     long = randomize_adapter(CCMForCausalLM.from_base(long_base, CCMConfig()))
     long.load_state_dict(short.state_dict())
     short.base_model.config.max_position_embeddings = 64
+    return short, long
+
+
+def test_rotary_positions_are_rebased_exactly():
+    """A model with 64 positions and its twin with 512 agree on a history of several hundred tokens."""
+    short, long = short_and_long_twins()
     caches = short.new_cache(), long.new_cache()
     for step in range(12):
         context = torch.tensor([list(range(3 + step, 23 + step))])
@@ -1268,3 +1275,36 @@ def test_rotary_positions_are_rebased_exactly():
     assert torch.equal(outputs[0].sequences, outputs[1].sequences)
     for a, b in zip(outputs[0].logits, outputs[1].logits, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history=st.integers(1, 60), length=st.integers(1, 66), compress=st.booleans())
+@example(history=30, length=50, compress=False)
+@example(history=30, length=40, compress=True)
+@example(history=5, length=64, compress=False)
+@example(history=5, length=63, compress=True)
+def test_an_input_that_fits_the_positions_is_rebased_after_any_history(history, length, compress):
+    """An input (a compression's: with its 2 <COMP> tokens) of up to all 64 positions of a model runs after a history
+    as on its twin of 512 positions; it was refused past half of them. A longer one is refused, naming the fix."""
+    short, long = short_and_long_twins()
+    caches = short.new_cache(), long.new_cache()
+    for model, cache in zip((short, long), caches, strict=True):
+        model.compress(cache, torch.arange(history)[None] % (VOCAB - 3) + 3)
+    ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    counts = length + 2 if compress else length
+    if counts > 64:
+        before = snapshot(caches[0])
+        with pytest.raises(ValueError, match=rf"An input of {counts} tokens .* passes the model's 64 positions; pass "):
+            short.compress(caches[0], ids) if compress else short(input_ids=ids, past_key_values=caches[0])
+        assert_same(snapshot(caches[0]), before)
+        return
+    for model, cache in zip((short, long), caches, strict=True):
+        if compress:
+            model.compress(cache, ids)
+        else:
+            model(input_ids=ids, past_key_values=cache)
+    after = [
+        model(input_ids=torch.tensor([[20, 21]]), past_key_values=cache).logits
+        for model, cache in zip((short, long), caches, strict=True)
+    ]
+    torch.testing.assert_close(after[0], after[1], atol=1e-4, rtol=0)

@@ -33,9 +33,9 @@ MAX_ROWS = 4
 
 Op = tuple
 # Few positions, so that histories pass them and get re-based: the most that a stream of `SMALL` needs (its budget
-# and a <COMP> block), and for memory the most that a compress of a pending token, 4 context tokens and the <COMP>
-# block may take (half the positions).
-STREAM_POSITIONS, MEMORY_POSITIONS = 16, 14
+# and a <COMP> block), and for memory the most that one call takes, a compress of a pending token, 4 context tokens
+# and the <COMP> block (a re-base makes room for any input that fits the positions).
+STREAM_POSITIONS, MEMORY_POSITIONS = 16, 7
 
 
 @functools.cache

@@ -656,10 +656,10 @@ class CompressedMemoryCache(Cache):
         end = self.rows.next_position + counts
         if not bool((end > self.max_positions).any()):
             return
-        if int(counts.max()) > self.max_positions // 2:
+        if int(counts.max()) > self.max_positions:
             raise ValueError(
-                f"An input of {int(counts.max())} tokens does not fit the model's {self.max_positions} positions "
-                "with room for its history; pass shorter pieces."
+                f"An input of {int(counts.max())} tokens (a compression's with its <COMP> tokens) passes the model's "
+                f"{self.max_positions} positions; pass shorter pieces."
             )
         if self.rotation is None:
             raise ValueError(
@@ -667,7 +667,10 @@ class CompressedMemoryCache(Cache):
                 "learned absolute positions, which cannot be moved. Start a new cache for this user, or use a model "
                 "with rotary position embeddings (positions are then re-based automatically)."
             )
-        delta = torch.where(end > self.max_positions, self.rows.next_position - self.max_positions // 2, 0)
+        # Back to half the positions, so that re-basing is rare; further where the input needs more room: an input
+        # of more than half the positions that fits them was refused after any history.
+        start = (self.max_positions - counts).clamp(max=self.max_positions // 2)
+        delta = torch.where(end > self.max_positions, self.rows.next_position - start, 0)
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
                 layer.rebase(self.rotation, index, -delta)
