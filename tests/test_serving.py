@@ -17,7 +17,15 @@ from transformers import AutoModelForCausalLM, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
-from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import (
+    VOCAB,
+    InjectedFailure,
+    fail_in_layer,
+    randomize_adapter,
+    tiny_base,
+    tiny_ccm,
+    tiny_longrope_base,
+)
 from transformers_ccm import (
     CCMConfig,
     CCMDataCollator,
@@ -1275,6 +1283,30 @@ def test_rotary_positions_are_rebased_exactly():
     assert torch.equal(outputs[0].sequences, outputs[1].sequences)
     for a, b in zip(outputs[0].logits, outputs[1].logits, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_longrope_positions_are_rebased_with_the_long_factors_the_model_rotates_with_there():
+    """Past its original context (64) a LongRoPE model rotates every position with its long factors: re-basing moved
+    such keys with the short ones, and a model of 256 positions then disagreed with its twin of 4096."""
+    short = randomize_adapter(CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig()))
+    long_base = tiny_longrope_base()
+    long_base.config.max_position_embeddings = 4096
+    long = CCMForCausalLM.from_base(long_base, CCMConfig()).eval()
+    long.load_state_dict(short.state_dict())
+    short.base_model.config.max_position_embeddings = 256
+    caches = short.new_cache(), long.new_cache()
+    generator = torch.Generator().manual_seed(0)
+    for length in (70, *[25] * 12):  # past the original context from the first forward on
+        context = torch.randint(3, VOCAB, (1, length), generator=generator)
+        for model, cache in zip((short, long), caches, strict=True):
+            model.compress(cache, context)
+    assert int(caches[0].rows.rebased[0]) > 0 and int(caches[1].rows.rebased[0]) == 0
+    prompt = torch.tensor([[20, 21, 22]])
+    logits = [
+        model(input_ids=prompt, past_key_values=cache).logits
+        for model, cache in zip((short, long), caches, strict=True)
+    ]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -75,8 +75,9 @@ class CacheSpec:
             is refused.
         num_layers, kv_heads, head_dim: the shape of each layer's keys/values `(batch, kv_heads, len, head_dim)`.
         dtype, device: those of the keys/values.
-        rotation: the model's rotary frequencies (None without rotary embeddings); streaming needs it, and
-            compressed memory uses it to re-base positions that would pass `max_positions`.
+        rotation: the model's rotary frequencies (None without rotary embeddings); streaming needs it.
+        rebase_rotation: its frequencies at `max_positions` (`KeyRotation.of_model(at_max_positions=True)`; None
+            without rotary embeddings), with which compressed memory re-bases positions that would pass them.
         max_positions: the model's maximum number of positions, if it has one.
         sliding_window: the model's sliding-window layers, which see only the recent tokens of the turn.
     """
@@ -89,6 +90,7 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     rotation: KeyRotation | None = None
+    rebase_rotation: KeyRotation | None = None
     max_positions: int | None = None
     sliding_window: SlidingWindow | None = None
 
@@ -661,7 +663,8 @@ class CompressedMemoryCache(Cache):
                 f"An input of {int(counts.max())} tokens (a compression's with its <COMP> tokens) passes the model's "
                 f"{self.max_positions} positions; pass shorter pieces."
             )
-        if self.rotation is None:
+        rotation = self.spec.rebase_rotation
+        if rotation is None:
             raise ValueError(
                 f"This memory's history reaches position {int(end.max())}, past the model's {self.max_positions} "
                 "learned absolute positions, which cannot be moved. Start a new cache for this user, or use a model "
@@ -673,7 +676,7 @@ class CompressedMemoryCache(Cache):
         delta = torch.where(end > self.max_positions, self.rows.next_position - start, 0)
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
-                layer.rebase(self.rotation, index, -delta)
+                layer.rebase(rotation, index, -delta)
         self.rows = replace(self.rows, next_position=self.rows.next_position - delta, rebased=self.rows.rebased + delta)
         logger.info("Re-based the positions of %d row(s) by up to %d.", int((delta > 0).sum()), int(delta.max()))
 

@@ -440,7 +440,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         text_config = self._text_config
         heads = text_config.num_attention_heads
         # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
-        rotation = None if self._rotary_module is None else KeyRotation.of_model(self.base_model, self._rotary_module)
+        rotation = rebase_rotation = None
+        if self._rotary_module is not None:
+            rotation = KeyRotation.of_model(self.base_model, self._rotary_module)
+            rebase_rotation = KeyRotation.of_model(self.base_model, self._rotary_module, at_max_positions=True)
         return CacheSpec(
             config=self.config,
             signature=self.memory_signature(),
@@ -450,6 +453,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             dtype=self.dtype,
             device=self.device,
             rotation=rotation,
+            rebase_rotation=rebase_rotation,
             max_positions=getattr(text_config, "max_position_embeddings", None),
             sliding_window=SlidingWindow.of(text_config),
         )

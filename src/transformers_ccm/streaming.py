@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.validation import is_int
@@ -98,6 +99,24 @@ class StreamingConfig:
             )
 
 
+def _long_frequencies(rotary: torch.nn.Module, layer_type: str | None, current: torch.Tensor) -> torch.Tensor | None:
+    """The long-factor frequencies of a LongRoPE `rotary` module (of layers of `layer_type`, None where it has one
+    kind), with which a forward that reaches the model's maximum position rotates when that passes the original
+    context, in the dtype of the module's frequencies `current` (transformers copies them into those); None for other
+    rotaries, or a maximum within the original context."""
+    kinds = getattr(rotary, "rope_type", None)
+    kind = kinds.get(layer_type) if isinstance(kinds, dict) else kinds
+    if kind != "longrope":
+        return None
+    config = rotary.config
+    parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    original = parameters["original_max_position_embeddings"]
+    if config.max_position_embeddings <= original:
+        return None
+    long, _ = ROPE_INIT_FUNCTIONS[kind](config, current.device, seq_len=original + 1, layer_type=layer_type)
+    return long.to(current.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
@@ -122,9 +141,12 @@ class KeyRotation:
         return next((name for name, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
 
     @classmethod
-    def of_model(cls, model: PreTrainedModel, module_name: str) -> KeyRotation:
+    def of_model(cls, model: PreTrainedModel, module_name: str, at_max_positions: bool = False) -> KeyRotation:
         """Read the frequencies every layer uses at the positions of the model's original context from its rotary
         embedding module `module_name` (`KeyRotation.module_name(model)`), as they are now (in the model's dtype).
+        With `at_max_positions`, those of a forward that reaches the model's `max_position_embeddings`, where re-basing
+        moves keys: LongRoPE rotates every position of such a forward with its long factors when that passes its
+        original context, and keys computed there, moved by the short ones, landed at other positions.
 
         Dynamic variants (dynamic NTK, LongRoPE) set their `inv_freq` at every forward, in place, by the last
         position of that forward: read there, a cache's rotation changed with the forward of any other user's cache,
@@ -135,9 +157,11 @@ class KeyRotation:
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         frequencies = []
         for layer_type in layer_types[: config.num_hidden_layers]:
-            prefix = f"{layer_type}_" if layer_type and hasattr(rotary, f"{layer_type}_inv_freq") else ""
+            by_type = layer_type if layer_type and hasattr(rotary, f"{layer_type}_inv_freq") else None
+            prefix = f"{by_type}_" if by_type else ""
             current = getattr(rotary, f"{prefix}inv_freq")
-            frequencies.append(getattr(rotary, f"{prefix}original_inv_freq", current))
+            long = _long_frequencies(rotary, by_type, current) if at_max_positions else None
+            frequencies.append(long if long is not None else getattr(rotary, f"{prefix}original_inv_freq", current))
         return cls(frequencies)
 
     def shift(self, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
