@@ -743,6 +743,18 @@ BAD_INPUTS = {
         ),
         "position_ids cannot be given with a CompressedMemoryCache: the cache numbers the positions itself",
     ),
+    "a prompt row of padding only": (
+        lambda model, cache: model.generate(
+            torch.tensor([[20, 21], [0, 0]]), attention_mask=torch.tensor([[1, 1], [0, 0]]), past_key_values=cache
+        ),
+        r"every prompt token of row\(s\) \[1\] as padding, so generate\(\) would reply to nothing",
+    ),
+    "a prompt of padding only": (
+        lambda model, cache: model.generate(
+            torch.tensor([[0], [0]]), attention_mask=torch.tensor([[0], [0]]), past_key_values=cache, num_beams=2
+        ),
+        r"every prompt token of row\(s\) \[0, 1\] as padding.*give every row at least one token with mask 1",
+    ),
     "generate without a prompt": (
         lambda model, cache: model.generate(past_key_values=cache, max_new_tokens=2),
         r"generate\(\) needs a prompt: pass input_ids \(batch, len\) or inputs_embeds",

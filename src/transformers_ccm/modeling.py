@@ -615,6 +615,14 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 name,
                 "prompt token (the memory needs none)",
             )
+            empty = (~attention_mask.bool().any(dim=1)).nonzero().flatten().tolist()
+            # Such a row's first token was predicted at a padding position, and the reply went into its memory.
+            if empty:
+                raise ValueError(
+                    f"attention_mask marks every prompt token of row(s) {empty} as padding, so generate() would reply "
+                    "to nothing and fold that reply into their memory; give every row at least one token with mask 1 "
+                    "(or leave those users out of the batch)."
+                )
         settings = self._generation_settings(kwargs)
         if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
             raise ValueError(
