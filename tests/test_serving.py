@@ -654,6 +654,37 @@ def test_a_batch_operation_given_indices_that_are_no_list_of_rows_is_refused(tmp
     assert cache.batch_size == 2 and _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("select", "dtype"),
+    [
+        ("batch_select_indices", torch.uint8),
+        ("batch_select_indices", torch.float32),
+        ("reorder_cache", torch.uint8),
+        ("reorder_cache", torch.float32),
+        ("reorder_cache", torch.bool),
+    ],
+)
+def test_a_batch_operation_given_indices_of_another_dtype_is_refused(tmp_path, select, dtype, streaming):
+    """uint8 indices selected the rows of a mask (torch.tensor([0, 1], dtype=torch.uint8) kept row 1 alone), and
+    indices of other dtypes failed inside torch; a bool mask is for batch_select_indices only."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    if streaming:
+        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
+        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    before = _saved_bytes(cache, tmp_path / "before.safetensors")
+    with pytest.raises(TypeError, match=rf"takes row indices of dtype torch.int64 or torch.int32.* got dtype {dtype}"):
+        getattr(cache, select)(torch.tensor([0, 1]).to(dtype))
+    assert cache.batch_size == 2 and _saved_bytes(cache, tmp_path / "after.safetensors") == before
+    getattr(cache, select)(torch.tensor([1, 0], dtype=torch.int32))
+    cache.batch_select_indices(torch.tensor([True, False]))
+    assert cache.batch_size == 1
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

@@ -934,7 +934,7 @@ class CompressedMemoryCache(Cache):
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "cache.batch_repeat_interleave()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        _check_row_indices(indices, "cache.batch_select_indices()")
+        _check_row_indices(indices, "cache.batch_select_indices()", masks=True)
         self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()")
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -1349,14 +1349,21 @@ def _check_finite_memory(layers: list[MemoryLayer] | list[StreamingLayer]) -> No
         )
 
 
-def _check_row_indices(indices: Any, call: str) -> None:
-    """Raise unless `indices` is a 1-D tensor (of row indices, or a bool mask of rows): a 0-d one dropped the batch
-    dimension of the rows (`batch_select_indices`), a 2-D one added one, and every later call failed inside torch."""
+def _check_row_indices(indices: Any, call: str, masks: bool = False) -> None:
+    """Raise unless `indices` is a 1-D tensor of row indices (int64 or int32), or with `masks` a bool mask of rows: a
+    0-d one dropped the batch dimension of the rows (`batch_select_indices`), a 2-D one added one, and every later call
+    failed inside torch; torch takes uint8 indices for a mask of rows, and those of other dtypes failed inside it."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{call} takes a 1-D tensor of row indices, such as torch.tensor([2, 0]); got {type(indices)}.")
     if indices.ndim != 1:
         raise ValueError(
             f"{call} takes a 1-D tensor of row indices, such as torch.tensor([2, 0]); got shape {tuple(indices.shape)}."
+        )
+    if indices.dtype not in (torch.int64, torch.int32, *((torch.bool,) if masks else ())):
+        mask = " (or a torch.bool mask of rows)" if masks else ""
+        raise TypeError(
+            f"{call} takes row indices of dtype torch.int64 or torch.int32{mask}, such as torch.tensor([2, 0]); got "
+            f"dtype {indices.dtype}."
         )
 
 
