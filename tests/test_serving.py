@@ -33,6 +33,7 @@ from transformers_ccm import (
     CompressedMemoryCache,
     OnlineSample,
     StreamingConfig,
+    modeling,
 )
 from transformers_ccm.lora import lora_layers
 
@@ -1114,6 +1115,82 @@ def test_a_cache_is_refused_once_the_model_computes_its_memory_otherwise(tmp_pat
         model.compress(cache, torch.tensor([[5, 6]]))
     with pytest.raises(ValueError, match=re.escape(message.replace("cache", "file"))):
         CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
+
+
+def _set_an_entry(model: CCMForCausalLM) -> Callable[[], None]:
+    config = model.base_model.config
+    earlier, config.rms_norm_eps = config.rms_norm_eps, 1e-2
+    return lambda: setattr(config, "rms_norm_eps", earlier)
+
+
+def _change_a_nested_entry_in_place(model: CCMForCausalLM) -> Callable[[], None]:
+    parameters = model.base_model.config.rope_parameters
+    earlier, parameters["rope_theta"] = parameters["rope_theta"], 500000.0
+    return lambda: parameters.update(rope_theta=earlier)
+
+
+def _add_an_entry(model: CCMForCausalLM) -> Callable[[], None]:
+    config = model.base_model.config
+    config.attention_multiplier = 2.0
+    return lambda: delattr(config, "attention_multiplier")
+
+
+def _replace_the_config(model: CCMForCausalLM) -> Callable[[], None]:
+    earlier = model.base_model.config
+    model.base_model.config = copy.deepcopy(earlier)
+    model.base_model.config.rope_parameters["rope_theta"] = 500000.0
+    return lambda: setattr(model.base_model, "config", earlier)
+
+
+CONFIG_CHANGES = {
+    "an entry set": (_set_an_entry, "base_config.rms_norm_eps"),
+    "a nested entry changed in place": (_change_a_nested_entry_in_place, "base_config.rope_parameters.rope_theta"),
+    "an entry added": (_add_an_entry, "base_config.attention_multiplier"),
+    "the config replaced": (_replace_the_config, "base_config.rope_parameters.rope_theta"),
+}
+
+
+@settings(max_examples=16, deadline=None)
+@given(change=st.sampled_from(sorted(CONFIG_CHANGES)), in_thread=st.booleans(), undone=st.booleans())
+def test_a_base_config_changed_between_calls_refuses_the_caches_made_before(change, in_thread, undone):
+    """The model reads its base config's settings again only once the config changed; a change of any kind, made
+    in any thread, still refuses the caches made before it, and one undone again leaves them accepted."""
+    model = _same_weights({}, {})
+    cache, expected = _filled(model), _filled(model)
+    CALLS["compress"](model, expected)
+    make, named = CONFIG_CHANGES[change]
+    undo = []
+    if in_thread:
+        thread = threading.Thread(target=lambda: undo.append(make(model)))
+        thread.start()
+        thread.join()
+    else:
+        undo.append(make(model))
+    if undone:
+        undo[0]()
+        CALLS["compress"](model, cache)
+        assert _memory_difference(cache, expected) == 0
+    else:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            CALLS["compress"](model, cache)
+
+
+def test_calls_on_an_unchanged_model_read_its_base_config_once(monkeypatch):
+    """Each call read the base config's settings twice (`to_dict`, before and after it ran), more than the rest of
+    its checks of the model cost."""
+    model = _same_weights({}, {})
+    cache = _filled(model)
+    reads = []
+    read = modeling.computing_settings
+    monkeypatch.setattr(modeling, "computing_settings", lambda config: reads.append(config) or read(config))
+    model.memory_signature()["base_config"]["rms_norm_eps"] = 1.0  # the caller's copy: the model keeps its own
+    for call in ("compress", "generate", "forward", "beam search"):
+        CALLS[call](model, cache.copy())
+    assert reads == []
+    model.base_model.config.rms_norm_eps = 1e-2
+    with pytest.raises(ValueError, match=re.escape("base_config.rms_norm_eps: cache 1e-06 vs model 0.01")):
+        CALLS["compress"](model, cache)
+    assert reads == [model.base_model.config]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -142,6 +142,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # The weights by kind and the LoRA layers, with the count of module registrations in the process when they
         # were listed.
         self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]] | None = None
+        # The base config's `computing_settings`, with the config and a deep copy of its entries they were read from.
+        self._settings: tuple[PretrainedConfig, dict[str, Any], dict[str, Any]] | None = None
         self.training_attention: TrainingAttention = "auto"
         # The classes `_release_base` gives back to the rotary modules that `_one_at_a_time` replaced.
         self._rotary_classes: list[tuple[nn.Module, type[nn.Module]]] = []
@@ -844,7 +846,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         Digests are recomputed only after a weight changed (tracked by tensor version counters), so asking at
         every call is cheap.
         """
-        return self._signature(self._state())
+        signature = self._signature(self._state())
+        # A copy: the model keeps the settings it read to compare at every call, which the caller may change.
+        return {**signature, "base_config": copy.deepcopy(signature["base_config"])}
 
     def _signature(self, state: _ModelState) -> dict[str, Any]:
         """`memory_signature()` for the model in `state` (`_state()`), whose version scans key the digests: a call
@@ -912,8 +916,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             attention=self.base_model.config._attn_implementation,
             lora_scaling=tuple(float(layer.scaling[ADAPTER_NAME]) for layer in self._listing()[1]),
             conditional_lora=self._gate.conditional,
-            base_config=computing_settings(self._text_config),
+            base_config=self._base_config(),
         )
+
+    def _base_config(self) -> dict[str, Any]:
+        """`computing_settings` of the base config, read again only after the config (or an entry at any depth of
+        it) changed or was replaced: `to_dict` costs more than the rest of `_state`, taken twice per call."""
+        config = self._text_config
+        settings = self._settings
+        if settings is None or settings[0] is not config or settings[1] != config.__dict__:
+            # The copy is taken before the settings are read: a change in between makes them differ from the copy
+            # at the next call, which reads them again; taken after, they would be kept for the changed config.
+            entries = copy.deepcopy(config.__dict__)
+            settings = self._settings = config, entries, computing_settings(config)
+        return settings[2]
 
     @contextmanager
     def _unchanged_since(self, state: _ModelState, call: str) -> Iterator[None]:
