@@ -997,3 +997,29 @@ def test_any_value_in_a_manifest_loads_the_adapter_or_is_refused_naming_the_mani
         return
     with pytest.raises(ValueError, match=re.escape(str(manifest))):
         hub_module.read_adapter(folder)
+
+
+def test_weights_replaced_while_an_adapter_is_read_are_read_whole_with_their_manifest(tmp_path, monkeypatch):
+    """A save where folders cannot be locked puts the manifest in place first, the weights last. A reader that
+    parsed the earlier weights, then read the new ones (again) for their digest, loaded the earlier weights under
+    the new manifest; the weights are now read once, and parsed from the bytes whose digest is checked."""
+    _adapter(None).save_pretrained(tmp_path / "earlier")
+    _adapter(None, seed=9).save_pretrained(tmp_path / "new")
+    folder = tmp_path / "adapter"
+    shutil.copytree(tmp_path / "earlier", folder)
+    for name in ADAPTER_FILES - {"adapter_model.safetensors"}:  # the save's swap so far
+        shutil.copy(tmp_path / "new" / name, folder / name)
+    weights, read_bytes = folder / "adapter_model.safetensors", Path.read_bytes
+
+    def replaced_then_read(path: Path) -> bytes:
+        if path == weights and not weights.samefile(tmp_path / "new" / weights.name):
+            os.link(tmp_path / "new" / weights.name, tmp_path / "staged")
+            os.replace(tmp_path / "staged", weights)  # the save's last rename
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", replaced_then_read)
+    _, tensors = hub_module.read_adapter(folder)
+    with safe_open(tmp_path / "new" / weights.name, framework="pt") as new:
+        assert tensors.keys() == {key.removeprefix(hub_module.PEFT_PREFIX) for key in new.keys()}  # noqa: SIM118
+        for key in new.keys():  # noqa: SIM118 (safe_open is no dict)
+            assert torch.equal(tensors[key.removeprefix(hub_module.PEFT_PREFIX)], new.get_tensor(key))

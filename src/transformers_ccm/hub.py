@@ -27,8 +27,8 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, deserialize
+from safetensors.torch import load, save_file
 
 from transformers_ccm.config import CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
@@ -205,7 +205,8 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     plus `COMP_EMBEDDINGS_KEY`)."""
     # Read under the folder's shared lock: a save in another thread or process swaps the files under its exclusive
     # lock, so they are all of one save. Where there is no lock, the order still refuses a mix: the manifest first,
-    # the weights' digest last (a save in between changes it), and the JSON parsed from the bytes digested.
+    # the weights last (a save in between changes their digest), and the JSON and the weights parsed from the bytes
+    # digested.
     with folder_lock(folder, exclusive=False):
         manifest = _read_manifest(folder / MANIFEST_NAME)
         names = (CONFIG_NAME, ADAPTER_CONFIG_NAME)
@@ -219,12 +220,8 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
                 raise FileNotFoundError(
                     f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
                 )
-        try:  # safetensors' own reader: it knows every dtype (packed 4-bit floats too), for `_check_values` to name
-            with safe_open(str(folder / ADAPTER_WEIGHTS_NAME), framework="pt") as file:
-                tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"{folder} has a corrupt adapter file ({error}); save or download it again.") from None
         files[ADAPTER_WEIGHTS_NAME] = (folder / ADAPTER_WEIGHTS_NAME).read_bytes()
+    tensors = _read_tensors(folder / ADAPTER_WEIGHTS_NAME, files[ADAPTER_WEIGHTS_NAME])
     _check_manifest(folder, files)
     config = CCMConfig.from_json_bytes(files[CONFIG_NAME], str(folder / CONFIG_NAME))
     peft_config = parse_json_object(
@@ -235,6 +232,20 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     _check_values(folder / ADAPTER_WEIGHTS_NAME, tensors)
     _check_files_agree(folder, config, peft_config, tensors)
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+def _read_tensors(path: Path, content: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file `content` read from `path`, each in memory of its own."""
+    try:
+        return load(content)
+    except SafetensorError as error:
+        raise ValueError(f"{path.parent} has a corrupt adapter file ({error}); save or download it again.") from None
+    except KeyError as error:  # a dtype that safetensors reads into torch from a file only (packed 4-bit floats)
+        names = sorted(name for name, view in deserialize(content) if view["dtype"] == error.args[0])
+        raise ValueError(
+            f"{path} holds tensors that are not floating point, one value per element ({error.args[0]}): {names}; "
+            "save or download the adapter again."
+        ) from None
 
 
 def _read_manifest(path: Path) -> bytes | None:
@@ -299,7 +310,7 @@ def _check_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         try:
             # `isfinite` has no kernel for most 8-bit floats; float32 holds each of their values exactly.
             finite = bool(torch.isfinite(value.float() if value.element_size() == 1 else value).all())
-        except NotImplementedError:  # packed fp4 (two values per element) casts to no dtype a model computes in
+        except NotImplementedError:  # packed fp4 (two values per element), where safetensors reads it into torch
             not_float.append(key)
             continue
         if not finite:
