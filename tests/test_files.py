@@ -337,6 +337,34 @@ def test_saved_files_get_the_permissions_of_a_new_file_or_keep_those_they_had(tm
     assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o640
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(umask=st.sampled_from([0o000, 0o002, 0o007, 0o022, 0o027, 0o077, 0o177]), setgid=st.booleans())
+def test_a_save_gives_a_new_file_the_mode_of_the_umask_and_creates_no_other_file(
+    tmp_path_factory, adapters, umask, setgid
+):
+    """Each save made, read and removed a file to learn the mode a new file gets: three more file system operations
+    (round trips on a network file system) to save one memory."""
+    _, new, _ = adapters
+    folder = tmp_path_factory.mktemp("saves")
+    if setgid:  # a folder shared by a group: its folders inherit the bit, which a file does not take
+        folder.chmod(0o2775)
+    cache, opened, open_file = _memory(new, [5, 6]), [], os.open
+
+    def recorded_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            opened.append(os.fspath(path))
+        return open_file(path, flags, *args, **kwargs)
+
+    earlier = os.umask(umask)
+    try:
+        with patch.object(os, "open", recorded_open):
+            cache.save(folder / "memory.safetensors")
+    finally:
+        os.umask(earlier)
+    assert (folder / "memory.safetensors").stat().st_mode & 0o7777 == 0o666 & ~umask
+    assert opened == []  # safetensors writes its file itself
+
+
 def test_a_memory_saved_through_a_symbolic_link_replaces_the_file_it_leads_to(tmp_path, adapters):
     """safetensors renamed its file over the link itself: the link became a separate file and the one it led to
     kept the old memory, which the next load through another path read."""

@@ -51,7 +51,7 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
             _remove_stale_staging(folder)
         with _staging(folder) as staging:
             (staging / "new").mkdir()
-            new_file_mode = _new_file_mode(staging)
+            new_file_mode = _new_file_mode(staging / "new")
             for path, write in paths.items():
                 new = staging / "new" / path.name
                 write(os.fspath(new))
@@ -94,13 +94,11 @@ def _flock(descriptor: int, operation: int) -> bool:
     return True
 
 
-def _new_file_mode(staging: Path) -> int:
-    """The permission bits a new file gets here: 0o666 less the umask (which cannot be read without setting it)."""
-    probe = staging / "mode"
-    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-    mode = stat.S_IMODE(os.stat(probe).st_mode)
-    os.remove(probe)
-    return mode
+def _new_file_mode(folder: Path) -> int:
+    """The permission bits a new file gets where `folder` was just made by `mkdir`: the folder's (0o777 less the
+    umask, or less what a default ACL masks) without execution. Read from the folder, not from a probe file made and
+    removed at every save, nor from `os.umask`, which is read only by setting it, for every thread at once."""
+    return stat.S_IMODE(os.stat(folder).st_mode) & 0o666
 
 
 def _mode(path: Path, new_file_mode: int) -> int:
