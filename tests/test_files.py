@@ -259,7 +259,7 @@ def test_a_folder_that_cannot_be_written_is_named_and_left_as_it_was(tmp_path, a
     old.save_pretrained(tmp_path)
     before = _contents(tmp_path)
     with (
-        patch("tempfile.mkdtemp", side_effect=PermissionError(13, "Permission denied")),  # a read-only folder
+        patch("os.mkdir", side_effect=PermissionError(13, "Permission denied")),  # a read-only folder
         pytest.raises(PermissionError, match=rf"Cannot write into {tmp_path} \(Permission denied\); choose a writa"),
     ):
         new.save_pretrained(tmp_path)
@@ -363,6 +363,82 @@ def test_a_save_gives_a_new_file_the_mode_of_the_umask_and_creates_no_other_file
         os.umask(earlier)
     assert (folder / "memory.safetensors").stat().st_mode & 0o7777 == 0o666 & ~umask
     assert opened == []  # safetensors writes its file itself
+
+
+def _staging_folders(folder: Path) -> set[Path]:
+    return {path for path in folder.iterdir() if path.name.startswith(STAGING_PREFIX)}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(killed=st.integers(1, 3), live=st.booleans())
+def test_a_memory_save_removes_what_killed_saves_of_the_file_left_but_not_a_live_save_s_folder(
+    tmp_path_factory, adapters, killed, live
+):
+    """A memory save killed part way left its `.ccm-saving-*` folder beside the file for ever: only adapter saves
+    removed such folders, and memory saves never did."""
+    from transformers_ccm import CompressedMemoryCache
+    from transformers_ccm import cache as cache_module
+
+    _, new, _ = adapters
+    folder = tmp_path_factory.mktemp("memories")
+    target = folder / "memory.safetensors"
+    memories = [_memory(new, list(range(5, 7 + index))) for index in range(4)]
+    memories[0].save(target)
+    for _ in range(killed):
+        with _killed_at_rename(0):
+            memories[1].save(target)
+    assert len(_staging_folders(folder)) == 1  # each killed save removed the one before it
+    entered, release, threads, save_file = threading.Event(), threading.Event(), [], cache_module.save_file
+
+    def paused_in_another_thread(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait()
+        return save_file(*args, **kwargs)
+
+    try:
+        with patch.object(cache_module, "save_file", paused_in_another_thread):
+            if live:  # a save of the same file, writing it as the next one starts
+                threads.append(threading.Thread(target=memories[3].save, args=(target,)))
+                threads[0].start()
+                assert entered.wait(timeout=60)
+            writing = _staging_folders(folder)  # the killed saves' folder, or the live save's in its place
+            assert len(writing) == 1
+            memories[2].save(target)
+            assert _staging_folders(folder) == (writing if live else set())
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
+    assert _staging_folders(folder) == set()
+    loaded = CompressedMemoryCache.load(target, new)
+    expected = memories[3 if live else 2]
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, expected.layers, strict=True))
+
+
+def test_a_save_whose_staging_folder_another_save_removed_before_it_was_locked_makes_another(tmp_path, adapters):
+    """A staging folder is unlocked between its `mkdir` and its lock, where another save of the file takes it for
+    a killed writer's and removes it: the first save must not write into a folder that is gone."""
+    from transformers_ccm import CompressedMemoryCache
+    from transformers_ccm import files as files_module
+
+    _, new, _ = adapters
+    target = tmp_path / "memory.safetensors"
+    first, second = _memory(new, [5, 6]), _memory(new, [7, 8, 9])
+    flock, other = files_module._flock, []
+
+    def another_save_before_the_lock(descriptor, operation):
+        if operation == files_module.fcntl.LOCK_EX and not other:  # the first save locking its new folder
+            other.append(threading.Thread(target=second.save, args=(target,)))
+            other[0].start()
+            other[0].join()
+        return flock(descriptor, operation)
+
+    with patch.object(files_module, "_flock", another_save_before_the_lock):
+        first.save(target)
+    assert other and _staging_folders(tmp_path) == set()
+    loaded = CompressedMemoryCache.load(target, new)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(loaded.layers, first.layers, strict=True))
 
 
 def test_a_memory_saved_through_a_symbolic_link_replaces_the_file_it_leads_to(tmp_path, adapters):

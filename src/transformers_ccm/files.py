@@ -9,10 +9,10 @@ swap can still leave a mix, which only a manifest the reader checks can tell (se
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -49,7 +49,7 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
     with folder_lock(folder, exclusive=len(paths) > 1) as locked:
         if locked and len(paths) > 1:
             _remove_stale_staging(folder)
-        with _staging(folder) as staging:
+        with _staging(folder, [path.name for path in paths]) as staging:
             (staging / "new").mkdir()
             new_file_mode = _new_file_mode(staging / "new")
             for path, write in paths.items():
@@ -117,18 +117,11 @@ def _one_folder(paths: Mapping[Path, object]) -> Path:
 
 
 @contextmanager
-def _staging(folder: Path) -> Iterator[Path]:
-    """A new hidden folder inside `folder`, locked while it is in use (a later save removes it only once its
-    writer is gone) and removed at the end, unless it holds the earlier files of a swap that could not be undone."""
-    try:
-        staging = Path(tempfile.mkdtemp(dir=folder, prefix=STAGING_PREFIX))
-    except OSError as error:
-        raise type(error)(
-            error.errno, f"Cannot write into {folder} ({error.strerror}); choose a writable folder."
-        ) from None
-    descriptor = _open_folder(staging)
-    if descriptor is not None:
-        _flock(descriptor, fcntl.LOCK_EX)
+def _staging(folder: Path, names: list[str]) -> Iterator[Path]:
+    """A new hidden folder inside `folder` for the save of the files `names`, locked while it is in use (a later
+    save removes it only once its writer is gone) and removed at the end, unless it holds the earlier files of a
+    swap that could not be undone."""
+    staging, descriptor = _new_staging(folder, names)
     kept = False
     try:
         yield staging
@@ -140,6 +133,44 @@ def _staging(folder: Path) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
         if descriptor is not None:
             os.close(descriptor)
+
+
+def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:
+    """A new staging folder in `folder` for the save of the files `names`, and a descriptor that holds it locked
+    (None where folders cannot be opened). Its name is the first free one of the saves of `names` (numbered), so
+    that a save finds what a killed save of the same files left, and removes it, without listing the folder (which
+    holds a file per user, say): a folder of that name that no writer holds locked."""
+    owner = hashlib.sha256("/".join(sorted(names)).encode()).hexdigest()[:16]
+    index = 0
+    while True:
+        staging = folder / f"{STAGING_PREFIX}{owner}-{index}"
+        try:
+            os.mkdir(staging, 0o700)
+        except FileExistsError:
+            if not _remove_if_stale(staging):  # a live writer's, or one that could not be removed
+                index += 1
+            continue
+        except OSError as error:
+            raise type(error)(
+                error.errno, f"Cannot write into {folder} ({error.strerror}); choose a writable folder."
+            ) from None
+        descriptor = _open_folder(staging)
+        if descriptor is not None:
+            _flock(descriptor, fcntl.LOCK_EX)
+        if _is_opened(staging, descriptor):
+            return staging, descriptor
+        # Another save of these files took it, not locked yet, for a killed writer's and removed it: make another.
+        if descriptor is not None:
+            os.close(descriptor)
+
+
+def _is_opened(path: Path, descriptor: int | None) -> bool:
+    """Whether `path` is still the folder `descriptor` opened (whether it is there, where none could be opened)."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return descriptor is None or os.path.samestat(found, os.fstat(descriptor))
 
 
 class _KeptAside(OSError):
@@ -203,11 +234,18 @@ def _fsync_folder(folder: Path) -> None:
 def _remove_stale_staging(folder: Path) -> None:
     """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked)."""
     for staging in folder.glob(f"{STAGING_PREFIX}*"):
-        descriptor = None if staging.is_symlink() or not staging.is_dir() else _open_folder(staging)
-        if descriptor is None:
-            continue
-        try:
-            if _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
-                shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            os.close(descriptor)
+        _remove_if_stale(staging)
+
+
+def _remove_if_stale(staging: Path) -> bool:
+    """Remove the staging folder `staging` if no live writer holds it locked (a killed writer's). Returns whether
+    it is gone; one that cannot be told apart from a live writer's (no lock here, a link, a file) is left alone."""
+    descriptor = None if staging.is_symlink() or not staging.is_dir() else _open_folder(staging)
+    if descriptor is None:
+        return False
+    try:
+        if _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.close(descriptor)
+    return not os.path.lexists(staging)
