@@ -48,6 +48,19 @@ def count_operations(call: Callable[[], Any]) -> int:
     return counter.count
 
 
+class ValuesRead(TorchDispatchMode):
+    """Count the values read from tensors into Python inside the context (`bool(t)`, `int(t)`, `t.item()`): on a GPU,
+    each waits for every operation queued before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
 def model_snapshot(model: CCMForCausalLM) -> dict[str, Any]:
     """Everything of `model` that a call must leave as it was: weights and buffers, gradients and `requires_grad`,
     training mode, hooks, attention implementation, the LoRA gate of this thread, PEFT's adapter switches and the

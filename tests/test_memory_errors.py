@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fault_injection import ValuesRead
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.cache import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
@@ -589,6 +590,46 @@ def test_a_memory_that_loads_keeps_a_true_count_of_its_history_through_later_tur
         assert bool((cache.history_tokens > before).all())
     cache.save(path)
     assert torch.equal(CompressedMemoryCache.load(path, model).history_tokens, cache.history_tokens)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    contexts=st.lists(st.integers(2, 6), min_size=1, max_size=3),
+    prompt=st.integers(2, 5),
+    batch=st.integers(1, 2),
+    crafted=st.sampled_from(["rows replaced", "counter changed in place"]),
+)
+def test_a_turn_s_forwards_keep_the_history_bound_without_reading_the_device(contexts, prompt, batch, crafted):
+    """Every forward read the rows' history counts from the device (a synchronisation on a GPU) to check them against
+    the most a memory counts. The bound is kept as forwards add tokens; counts set otherwise are read, and refused
+    past it."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(batch)
+    prepare, reads = cache.prepare_forward, []
+
+    def counted(new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, object]:
+        with ValuesRead() as values:
+            prepared = prepare(new_mask, sdpa)
+        reads.append((new_mask.shape[1], values.count))
+        return prepared
+
+    cache.prepare_forward = counted
+    for length in contexts:
+        model.compress(cache, torch.randint(3, 90, (batch, length)))
+    model.generate(torch.randint(3, 90, (batch, prompt)), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    model.compress(cache)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 90, (batch, prompt)), past_key_values=cache)
+    # A single token's forward reads whether it may go without an attention mask, and nothing else.
+    assert reads and all(count == (1 if width == 1 else 0) for width, count in reads), reads
+    if crafted == "rows replaced":
+        cache.rows = dataclasses.replace(cache.rows, rebased=torch.full((batch,), 2**62 - 1))
+    else:
+        cache.rows.rebased.add_(2**62 - 1)
+    before = cache.history_tokens.clone()
+    with pytest.raises(ValueError, match="more would pass the most a memory counts"):
+        model.compress(cache, torch.tensor([[5, 6]] * batch))
+    assert torch.equal(cache.history_tokens, before)
 
 
 _SIGNATURE_VALUES = st.recursive(

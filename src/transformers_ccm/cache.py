@@ -368,6 +368,10 @@ class CompressedMemoryCache(Cache):
         self.spec = spec
         self.streaming = streaming
         self.rows = RowState.empty(batch_size)
+        # The most tokens a row has taken in (`history_tokens`) or more, with the counters it holds for (see
+        # `_known_history`).
+        self._history: tuple[torch.Tensor, torch.Tensor, tuple[int, int], int] | None
+        self._know_history(0)
         # Tokens fed since the stream or the current generate() began: what generate() must see as processed.
         self.turn_tokens = 0
         # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
@@ -624,12 +628,17 @@ class CompressedMemoryCache(Cache):
     def _prepare_turn_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
         """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
         counts = new_mask.sum(-1)
-        if bool((self.history_tokens > _MOST_HISTORY_TOKENS - counts).any()):  # subtracted: the sum could overflow
+        known = self._known_history()
+        most = (int(self.history_tokens.max()) if known is None else known) + new_mask.shape[1]
+        # The counters are read from the device only near the bound (or, just above, once they were set elsewhere);
+        # subtracted, not added: the sum could overflow.
+        if most > _MOST_HISTORY_TOKENS and bool((self.history_tokens > _MOST_HISTORY_TOKENS - counts).any()):
             raise ValueError(
                 f"This memory's rows have taken in {self.history_tokens.tolist()} tokens; {counts.tolist()} more would "
                 f"pass the most a memory counts ({_MOST_HISTORY_TOKENS}). Start a new cache for these users."
             )
-        self._fit_positions(counts)
+        if self.max_positions is not None and most > self.max_positions:  # a row's next position is at most `most`
+            self._fit_positions(counts)
         rows = self.rows
         position_ids = (rows.next_position[:, None] + new_mask.long().cumsum(-1) - 1).clamp(min=0)
         past = torch.cat([rows.memory_mask, rows.turn_mask], dim=1)
@@ -644,7 +653,23 @@ class CompressedMemoryCache(Cache):
         self.rows = replace(
             rows, turn_mask=torch.cat([rows.turn_mask, new_mask], dim=1), next_position=rows.next_position + counts
         )
+        self._know_history(most)
         return position_ids, mask
+
+    def _known_history(self) -> int | None:
+        """The most tokens a row has taken in (or more), kept as the forwards add tokens (at most their width), so
+        that a forward checks the bound without reading the counters from the device; None once the counters were
+        set otherwise (loaded, rows selected or moved, changed in place), which must then be read."""
+        rows, known = self.rows, self._history
+        positions, rebased = rows.next_position, rows.rebased
+        if known is None or known[0] is not positions or known[1] is not rebased:
+            return None
+        return known[3] if known[2] == (positions._version, rebased._version) else None
+
+    def _know_history(self, most: int | None) -> None:
+        """Record that no row of the current counters has taken in more than `most` tokens (None: unknown)."""
+        positions, rebased = self.rows.next_position, self.rows.rebased
+        self._history = None if most is None else (positions, rebased, (positions._version, rebased._version), most)
 
     def _mask_free(self, sdpa: bool, new: int) -> bool:
         """Whether a forward of `new` tokens that see every held position may go without an attention mask."""
@@ -653,8 +678,6 @@ class CompressedMemoryCache(Cache):
     def _fit_positions(self, counts: torch.Tensor) -> None:
         """Re-base rows whose next positions would pass the model's maximum (rotary models: exact, since
         attention depends on relative positions only); refuse where positions cannot move."""
-        if self.max_positions is None:
-            return
         end = self.rows.next_position + counts
         if not bool((end > self.max_positions).any()):
             return
@@ -713,6 +736,7 @@ class CompressedMemoryCache(Cache):
         fed = generated.shape[1] - 1
         split = rows.turn_mask.shape[1] - fed
         kept, last = rows.turn_mask[:, :split], rows.turn_mask[:, split:]
+        known = self._known_history()  # still a bound: padding leaves the history
         self.rows = replace(
             rows,
             turn_mask=torch.cat([kept, last & real[:, :fed]], dim=1),
@@ -720,6 +744,7 @@ class CompressedMemoryCache(Cache):
             pending_ids=generated[:, fed:].to(device),
             pending_mask=real[:, fed:],
         )
+        self._know_history(known)
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending token `(batch, 0 or 1)` and its mask, now handed to the caller to run."""
@@ -766,6 +791,7 @@ class CompressedMemoryCache(Cache):
             owned = rows[:, None].expand(-1, n)
             memory_mask = owned.clone() if self.memory_length == 0 else state.memory_mask | owned
         _check_finite_memory(self.layers)
+        known = self._known_history()  # still a bound: the <COMP> tokens leave the history
         # <COMP> tokens take positions but do not advance the logical position (the "skip" scheme).
         self.rows = replace(
             state,
@@ -774,6 +800,7 @@ class CompressedMemoryCache(Cache):
             next_position=state.next_position - n,
             steps=steps,
         )
+        self._know_history(known)
 
     # ----- streaming ---------------------------------------------------------------------------------------------
     def _prepare_stream_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
