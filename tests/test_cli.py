@@ -708,7 +708,7 @@ def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path
     for arguments, message in (
         (["--task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
         (["--task", "icl", "--eval-task", "bad.jsonl"], "bad.jsonl:2: 'input' must be a string"),
-        (["--task", "folder.jsonl"], "folder.jsonl cannot be read (Is a directory); give a JSONL file"),
+        (["--task", "folder.jsonl"], "folder.jsonl is not a regular file (a folder, a pipe or a device); give a J"),
         (["--task", "missing.jsonl"], "missing.jsonl cannot be read (No such file or directory)"),
     ):
         with pytest.raises(SystemExit) as exit_info:

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from crafted_files import pipe_feeding
 from transformers_ccm import CCMConfig
-from transformers_ccm.config import CONFIG_NAME
+from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME
 
 
 def test_paper_defaults():
@@ -90,6 +91,26 @@ def test_corrupt_and_missing_files(tmp_path):
     (tmp_path / CONFIG_NAME).write_text("{not json")
     with pytest.raises(ValueError, match="corrupt"):
         CCMConfig.from_pretrained(tmp_path)
+
+
+def test_a_config_that_is_a_pipe_a_folder_or_too_large_is_refused_unread(tmp_path):
+    """`ccm train --resume` reads a checkpoint's ccm_config.json: a named pipe there blocked for good (here a writer
+    comes, and its config was taken), a folder failed with a bare IsADirectoryError, and a file of gigabytes was read
+    whole before it was parsed."""
+    path = tmp_path / CONFIG_NAME
+    content = json.dumps(CCMConfig().to_dict())
+    with pipe_feeding(path, content), pytest.raises(ValueError, match=rf"{path} is not a regular file"):
+        CCMConfig.from_pretrained(tmp_path)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ValueError, match=rf"{path} is not a regular file .*; give the ccm_config\.json of an adapter"):
+        CCMConfig.from_pretrained(tmp_path)
+    path.rmdir()
+    path.write_text(content + " " * CONFIG_MAX_BYTES)  # valid JSON, larger than any config
+    with pytest.raises(ValueError, match=rf"{path} is larger than {CONFIG_MAX_BYTES} bytes"):
+        CCMConfig.from_pretrained(tmp_path)
+    path.write_text(content)
+    assert CCMConfig.from_pretrained(tmp_path) == CCMConfig()
 
 
 _JSON_VALUES = st.recursive(

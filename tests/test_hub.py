@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
+from transformers_ccm.config import CONFIG_MAX_BYTES
 from transformers_ccm.hub import resolve_adapter
 from transformers_ccm.lora import lora_layers
 
@@ -970,6 +971,18 @@ def test_a_manifest_larger_than_any_is_refused_before_it_is_read_whole(tmp_path,
     with manifest.open("r+b") as file:
         file.truncate(1 << 30)  # sparse: a gigabyte of zeros that takes no disk
     with pytest.raises(ValueError, match=rf"{manifest} is larger than"):
+        hub_module.read_adapter(folder)
+
+
+@pytest.mark.parametrize("name", ["ccm_config.json", "adapter_config.json"])
+def test_a_config_larger_than_any_is_refused_before_it_is_read_whole(tmp_path, saved_adapter, name):
+    """A crafted config of gigabytes (valid JSON: whitespace, or a long list) was read, then parsed, into memory;
+    the one here, recorded in the manifest, loaded."""
+    folder, _ = _crafted_copy(saved_adapter, tmp_path)
+    path = folder / name
+    path.write_text(path.read_text() + " " * CONFIG_MAX_BYTES)
+    _record(folder)
+    with pytest.raises(ValueError, match=rf"{path} is larger than {CONFIG_MAX_BYTES} bytes, more than any such file"):
         hub_module.read_adapter(folder)
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from crafted_files import pipe_feeding
 from transformers_ccm import OnlineSample
 from transformers_ccm.tasks import (
     EVAL_STEPS,
@@ -413,14 +414,26 @@ def test_jsonl_round_trip_of_any_text(tmp_path, contexts, question, answer):
     assert load_jsonl(tmp_path / "text.jsonl") == samples
 
 
-@pytest.mark.parametrize(("make", "problem"), [(lambda path: path.mkdir(), "Is a directory"), (None, "No such file")])
-def test_a_jsonl_path_that_is_not_a_readable_file_is_named(tmp_path, make, problem):
+def test_a_jsonl_path_that_is_not_a_readable_file_is_named(tmp_path):
     """A folder failed with a bare IsADirectoryError (a traceback from the ccm command)."""
     path = tmp_path / "samples.jsonl"
-    if make:
-        make(path)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} cannot be read \(.*{problem}.*\); give a JSONL"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} cannot be read \(No such file.*\); give a JSONL"):
         load_jsonl(path)
+    path.mkdir()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not a regular file .*; give a JSONL file"):
+        load_jsonl(path)
+
+
+def test_a_jsonl_path_that_is_a_pipe_or_a_device_is_refused_unread(tmp_path):
+    """A named pipe was read as a file: the command waited for good for a writer (here one comes, and its samples
+    were taken); a link to /dev/zero read zeros until the memory was full."""
+    line = '{"contexts": ["a"], "input": "q", "output": "x"}\n'
+    pipe = tmp_path / "pipe.jsonl"
+    with pipe_feeding(pipe, line), pytest.raises(ValueError, match=rf"{re.escape(str(pipe))} is not a regular file"):
+        load_jsonl(pipe)
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=r"zero\.jsonl is not a regular file \(a folder, a pipe or a device\)"):
+        load_jsonl(tmp_path / "zero.jsonl")
 
 
 def test_jsonl_with_a_byte_order_mark(tmp_path):

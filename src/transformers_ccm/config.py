@@ -9,13 +9,16 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from transformers_ccm.files import replace_file
-from transformers_ccm.json_reading import parse_json_object
+from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.validation import check_setting, finite_number, number, positive_int
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 CONFIG_NAME = "ccm_config.json"
+# ccm_config.json and adapter_config.json hold some 1000 bytes: a file far larger is none, and is refused before it is
+# read whole (a crafted one of gigabytes was read, then parsed, into memory).
+CONFIG_MAX_BYTES = 1 << 20
 FORMAT_VERSION = 1
 
 UpdateRule = Literal["concat", "merge", "ema"]
@@ -148,11 +151,10 @@ class CCMConfig:
         path = os.fspath(directory_or_file)
         if os.path.isdir(path):
             path = os.path.join(path, CONFIG_NAME)
-        try:
-            with open(path, "rb") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.") from None
+        if not os.path.lexists(path):
+            raise FileNotFoundError(f"No {CONFIG_NAME} at {path}: this folder holds no CCM adapter.")
+        # Not opened as a stream: a pipe there (a checkpoint's, for `ccm train --resume`) blocked the read for good.
+        text = read_regular_file(path, "give the ccm_config.json of an adapter, or save it again.", CONFIG_MAX_BYTES)
         return cls.from_json_bytes(text, path)
 
     @classmethod

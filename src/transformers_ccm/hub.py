@@ -30,10 +30,10 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors import SafetensorError, deserialize
 from safetensors.torch import load, save_file
 
-from transformers_ccm.config import CONFIG_NAME, CCMConfig
+from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
 from transformers_ccm.files import folder_lock, replace_files
-from transformers_ccm.json_reading import parse_json_object
+from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.validation import is_int
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -210,7 +210,11 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     with folder_lock(folder, exclusive=False):
         manifest = _read_manifest(folder / MANIFEST_NAME)
         names = (CONFIG_NAME, ADAPTER_CONFIG_NAME)
-        files = {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
+        files = {
+            name: read_regular_file(folder / name, "save or download the adapter again.", CONFIG_MAX_BYTES)
+            for name in names
+            if (folder / name).is_file()
+        }
         if manifest is not None:
             files[MANIFEST_NAME] = manifest
         if CONFIG_NAME not in files:
@@ -258,14 +262,7 @@ def _read_manifest(path: Path) -> bytes | None:
             f"{path} is not a regular file (a folder, a pipe, a device or a broken link), so the adapter's files "
             f"cannot be checked against it; save the adapter again, or delete {path}."
         )
-    with open(path, "rb") as file:
-        content = file.read(MANIFEST_MAX_BYTES + 1)
-    if len(content) > MANIFEST_MAX_BYTES:
-        raise ValueError(
-            f"{path} is larger than {MANIFEST_MAX_BYTES} bytes, which no manifest is; save the adapter again, or "
-            f"delete {path}."
-        )
-    return content
+    return read_regular_file(path, f"save the adapter again, or delete {path}.", MANIFEST_MAX_BYTES)
 
 
 def _check_manifest(folder: Path, files: dict[str, bytes]) -> None:
@@ -423,7 +420,8 @@ def _what_is_there(folder: Path) -> str:
         return f"its {CONFIG_NAME} is not a file; save or download the adapter again."
     if (folder / ADAPTER_CONFIG_NAME).is_file():
         try:
-            peft = parse_json_object((folder / ADAPTER_CONFIG_NAME).read_bytes(), ADAPTER_CONFIG_NAME, "")
+            content = read_regular_file(folder / ADAPTER_CONFIG_NAME, "", CONFIG_MAX_BYTES)
+            peft = parse_json_object(content, ADAPTER_CONFIG_NAME, "")
         except ValueError:  # described as well as it can be: the message is about the missing ccm_config.json
             peft = {}
         kind = " ".join(str(part) for part in ("PEFT", peft.get("peft_type")) if part)

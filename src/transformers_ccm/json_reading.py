@@ -3,7 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
+
+
+def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (or the one a link leads to). Anything else raises a `ValueError`
+    ending in `fix` before a byte is read: a pipe blocked the read until a writer came, and /dev/zero never ended. With
+    `max_bytes`, a larger file raises too, having read no more than `max_bytes + 1` bytes."""
+    try:
+        # Opened without blocking, so that a pipe is seen for what it is and closed; the kind is asked of the file
+        # opened, not of its name, which could be replaced in between.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        raise ValueError(f"{os.fspath(path)} cannot be read ({error.strerror or error}); {fix}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ValueError(f"{os.fspath(path)} is not a regular file (a folder, a pipe or a device); {fix}")
+    with os.fdopen(descriptor, "rb") as file:
+        try:
+            content = file.read() if max_bytes is None else file.read(max_bytes + 1)
+        except OSError as error:  # a file of /proc that refuses reads, a disk that fails
+            raise ValueError(f"{os.fspath(path)} cannot be read ({error.strerror or error}); {fix}") from None
+    if max_bytes is not None and len(content) > max_bytes:
+        raise ValueError(f"{os.fspath(path)} is larger than {max_bytes} bytes, more than any such file holds; {fix}")
+    return content
 
 
 def parse_json(text: str | bytes, where: str, fix: str) -> Any:

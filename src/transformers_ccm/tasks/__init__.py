@@ -12,12 +12,11 @@ import os
 import random
 import re
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.files import replace_file
-from transformers_ccm.json_reading import parse_json
+from transformers_ccm.json_reading import parse_json, read_regular_file
 from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
 from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
@@ -184,12 +183,12 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
     """Read samples written by `save_jsonl` (or by hand): one JSON object per line, strings or token ids."""
     samples = []
+    # A pipe or a device is refused, not read: it blocked until a writer came, and /dev/zero filled the memory.
+    content = read_regular_file(path, "give a JSONL file of samples.")
     try:  # a byte-order mark, as some editors write one, is not part of the first line
-        text = Path(path).read_bytes().decode("utf-8-sig")
+        text = content.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not UTF-8 text ({error}); save it as UTF-8.") from None
-    except OSError as error:  # a folder, a file gone or unreadable
-        raise ValueError(f"{path} cannot be read ({error.strerror or error}); give a JSONL file of samples.") from None
     # Lines end at "\n", "\r\n" or "\r", which a JSON string cannot hold unescaped; splitlines() also split at U+2028,
     # U+2029 and U+0085, which JSON strings may hold as they are, and save_jsonl writes them so.
     for number, line in enumerate(re.split(r"\r\n?|\n", text), start=1):
