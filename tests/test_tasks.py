@@ -20,6 +20,7 @@ from transformers_ccm.tasks import (
     MIXTURE_FAMILIES,
     TASKS,
     WORDINGS,
+    icl,
     load_jsonl,
     make_samples,
     make_task_samples,
@@ -285,6 +286,31 @@ def test_grouping_asks_a_new_item_whose_group_the_contexts_name(seed, steps, spl
     if built.wording == "grouping/numbered":
         assert [str(n) in context for n, context in enumerate(sample.contexts, start=1)] == [True] * steps
         assert str(steps + 1) in sample.input
+
+
+class _BoundedRandom(random.Random):
+    """A generator that fails a test past a million draws of `choice`, where a task would otherwise draw for good."""
+
+    draws = 0
+
+    def choice(self, seq):
+        self.draws += 1
+        assert self.draws <= 1_000_000, "the sample was still being drawn after a million draws"
+        return super().choice(seq)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 60), split=st.sampled_from(["train", "test"]))
+@example(seed=494, steps=16, split="test")  # the 12 states of the test split, 13 times in one sample
+def test_icl_samples_of_any_length_are_drawn(seed, steps, split):
+    """An entity type used up within a sample made icl draw for good: `ccm eval --tasks icl --seed 11` (at t=16, the
+    paper's step) never ended, nor did --steps 30. Entities differ until their type is used up."""
+    wording = random.Random(seed).choice(icl.WORDINGS)
+    sample, items = icl.icl_sample(_BoundedRandom(seed), split, steps, wording)
+    assert len(sample.contexts) == steps and sample.output in sample.choices
+    entities = set(items[:-3])  # then the three labels
+    used_up = [kind for kind in icl.ENTITY_TYPES if set(words(kind, split)) <= entities]
+    assert len(entities) == steps + 1 or used_up
 
 
 def test_grouping_draws_every_kind():
