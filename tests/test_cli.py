@@ -240,6 +240,16 @@ def test_train_refuses_a_count_of_zero_before_the_model_loads(tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**64])
+def test_train_refuses_a_seed_out_of_range_naming_the_flag(tmp_path, capsys, seed):
+    """A seed past 64 bits failed in torch.manual_seed with "Overflow when unpacking long long", naming no flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "no-model", "--output-dir", str(tmp_path / "out"), "--seed", str(seed)])
+    assert exit_info.value.code == 2
+    assert f"--seed must be an integer in 0..{2**32 - 1}, got {seed}." in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 TEXT_TRAINING = "--task text-varied --compress-chunk 16 --steps 2 --batch-size 2 --eval-every 2 --eval-samples 2"
 STREAM_EVAL = "--tokens 300 --window-tokens 40 --sink-tokens 2 --compress-chunk 16 --max-memory-tokens 4 --bucket 100"
 

@@ -131,7 +131,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.eval_samples < 0:  # drawn as no sample at all: the run went without evaluation, without a word
         raise ValueError(f"--eval-samples must be at least 0 (0: no evaluation), got {args.eval_samples}.")
     _check_output_dir(args.output_dir)
-    torch.manual_seed(args.seed)
     streaming = (
         StreamingConfig(compress_chunk=args.compress_chunk, keep_window_full=args.keep_window_full)
         if args.supervision == "stream"
@@ -165,6 +164,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ValueError as error:  # in the command's words: the flag, not the TrainingRecipe field it sets
         message = re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error))
         raise ValueError(message) from None
+    torch.manual_seed(args.seed)  # once the recipe has checked it: torch named no flag for a seed past 64 bits
     config = CCMConfig(
         num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
         update=args.update,
