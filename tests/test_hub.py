@@ -583,6 +583,16 @@ def _lower_rank(tensors):
         ),
         (lambda f: _rewrite_json(f / "adapter_config.json", target_modules=None), r"has no target_modules"),
         (
+            # The model was built with these targets first: PEFT's "Target modules {'nothing'} not found in the base
+            # model" named no file, and a target that matched other modules loaded as weights that "do not fit".
+            lambda f: _rewrite_json(f / "ccm_config.json", target_modules=["nothing"]),
+            r"ccm_config\.json \(target_modules=\['nothing'\]\) leaves out modules with LoRA weights \['model\.layers",
+        ),
+        (
+            lambda f: _rewrite_json(f / "ccm_config.json", target_modules=["lm_head", "q_proj"]),
+            r"ccm_config\.json \(target_modules=\['lm_head', 'q_proj'\]\) leaves out modules with LoRA weights \['mod",
+        ),
+        (
             lambda f: _rewrite_json(f / "adapter_config.json", layers_to_transform=[0]),
             r"selects modules in a way PEFT refuses \(`layers_to_transform` cannot be used when `target_modules`",
         ),

@@ -382,7 +382,11 @@ def _check_files_agree(
     lora = {key: value for key, value in tensors.items() if "lora_A" in key or "lora_B" in key}
     if not lora:  # else nothing tells the rank of ccm_config.json, and the model is built with it before any check
         problems.append(f"{ADAPTER_WEIGHTS_NAME} holds no LoRA weights (lora_A, lora_B), only {sorted(tensors)[:3]}")
-    problems += _unselected(peft_config, {key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for key in lora})
+    modules = {key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for key in lora}
+    problems += _unselected(peft_config, modules, ADAPTER_CONFIG_NAME)
+    if config.target_modules is not None:  # None: the model's attention projections, known once it is built
+        # The model is built with these targets: ones that miss the weights failed in PEFT, naming no file.
+        problems += _unselected({"target_modules": config.target_modules}, modules, CONFIG_NAME)
     rank_axis = {key: 0 if "lora_A" in key else 1 for key in lora}  # lora_A (r, in), lora_B (out, r)
     wrong_rank = {
         key: tuple(value.shape)
@@ -398,21 +402,22 @@ def _check_files_agree(
         )
 
 
-def _unselected(peft_config: dict[str, Any], modules: set[str]) -> list[str]:
-    """What keeps adapter_config.json from selecting each of `modules` (those the weights hold a LoRA for), as PEFT
-    selects them: PEFT would leave out the LoRA of a module it does not select."""
+def _unselected(peft_config: dict[str, Any], modules: set[str], source: str) -> list[str]:
+    """What keeps the targeting fields of `peft_config` (read from the file `source`) from selecting each of `modules`
+    (those the weights hold a LoRA for), as PEFT selects them: PEFT would leave out the LoRA of a module it does not
+    select."""
     selection = {key: peft_config.get(key) for key in _PEFT_TARGETING}
     if selection["target_modules"] is None:
-        return [f"{ADAPTER_CONFIG_NAME} has no target_modules (PEFT would pick its own for the model type)"]
+        return [f"{source} has no target_modules (PEFT would pick its own for the model type)"]
     try:
         selects = LoraConfig(**selection)
         left_out = sorted(name for name in modules if not check_target_module_exists(selects, name))
     except (TypeError, ValueError, re.error) as error:
-        return [f"{ADAPTER_CONFIG_NAME} selects modules in a way PEFT refuses ({error})"]
+        return [f"{source} selects modules in a way PEFT refuses ({error})"]
     if not left_out:
         return []
     chosen = ", ".join(f"{key}={value!r}" for key, value in selection.items() if value is not None)
-    return [f"{ADAPTER_CONFIG_NAME} ({chosen}) leaves out modules with LoRA weights {left_out[:2]}"]
+    return [f"{source} ({chosen}) leaves out modules with LoRA weights {left_out[:2]}"]
 
 
 def _what_is_there(folder: Path) -> str:
