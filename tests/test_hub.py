@@ -510,6 +510,11 @@ def _rewrite_weights(path, change):
     _record(path.parent)
 
 
+def _rewrite_text(path, old, new):
+    path.write_text(path.read_text().replace(old, new))
+    _record(path.parent)
+
+
 def _record(folder):
     """Record the folder's files in its manifest: a crafted adapter whose manifest agrees is checked by content."""
     hub_module._write_manifest(str(folder / "ccm_manifest.json"))
@@ -627,6 +632,11 @@ def _lower_rank(tensors):
         (
             lambda f: ((f / "ccm_config.json").write_bytes(b'{"r": "\xff"}'), _record(f)),
             r"ccm_config\.json is not valid JSON",
+        ),
+        (
+            # Loaded as ema here; a reader that keeps the first value would load concat.
+            lambda f: _rewrite_text(f / "ccm_config.json", '"update": "concat"', '"update": "concat", "update": "ema"'),
+            r"ccm_config\.json gives the key 'update' twice in one object",
         ),
         (
             lambda f: ((f / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000), _record(f)),

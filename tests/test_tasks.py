@@ -417,6 +417,8 @@ def test_jsonl_with_token_ids(tmp_path):
         ("[" * 100_000 + "]" * 100_000, r":1 is nested too deeply to be read as JSON; write one JSON object per line"),
         (b'{"contexts": ["\xff"], "input": "q"}', r"is not UTF-8 text .*; save it as UTF-8"),
         ('{"contexts": [], "input": "q", "output": "x", "choices": ["x", "y", "x"]}', "the choice 'x' is listed twice"),
+        # Python kept the last "output", other readers the first: the sample trained on one of two answers.
+        ('{"contexts": ["c"], "input": "q", "output": "x", "output": "y"}', r":1 gives the key 'output' twice"),
     ],
 )
 def test_jsonl_errors(tmp_path, text, message):

@@ -32,12 +32,16 @@ def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | N
 
 
 def parse_json(text: str | bytes, where: str, fix: str) -> Any:
-    """`text` decoded as JSON. Bytes that are not UTF-8, bad syntax and nesting deeper than Python's recursion
-    limit raise `ValueError("<where> <problem>; <fix>")`."""
+    """`text` decoded as JSON. Bytes that are not UTF-8, bad syntax, a key given twice in one object and nesting
+    deeper than Python's recursion limit raise `ValueError("<where> <problem>; <fix>")`."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{where} is not valid JSON ({error}); {fix}") from None
+    except _RepeatedKey as error:
+        raise ValueError(
+            f"{where} gives the key {error.args[0]!r} twice in one object, and readers differ on which counts; {fix}"
+        ) from None
     except RecursionError:  # nesting deeper than the recursion limit: no file of ours
         raise ValueError(f"{where} is nested too deeply to be read as JSON; {fix}") from None
 
@@ -47,4 +51,18 @@ def parse_json_object(text: str | bytes, where: str, fix: str) -> dict[str, Any]
     value = parse_json(text, where, fix)
     if not isinstance(value, dict):
         raise ValueError(f"{where} must hold a JSON object, got {type(value).__name__}; {fix}")
+    return value
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object names a key twice (`args[0]`)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The object of `pairs`, refusing a key given twice: Python keeps the last value, other readers the first (a
+    sample's second "output" was trained on without a word)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _RepeatedKey(next(key for index, key in enumerate(keys) if key in keys[:index]))
     return value
