@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ccm_reference import reference_logits
@@ -68,6 +68,17 @@ def test_ids_that_are_no_token_of_the_model_are_refused_naming_the_sample(sample
     model = tiny_ccm("llama")
     with pytest.raises(ValueError, match=f"{where} .*{problem}"):
         CCMDataCollator(model)([sample])
+
+
+@settings(max_examples=30, deadline=None)
+@given(token=st.integers(2**63, 2**200) | st.integers(-(2**200), -1), field=st.sampled_from(["contexts", "input"]))
+def test_ids_past_int64_are_refused_naming_the_sample_without_a_model(token, field):
+    """A collator built from a config knows no vocabulary: an id past int64 failed in torch.tensor with "Overflow when
+    unpacking long long", naming no sample."""
+    sample = OnlineSample([[token]], [8], [9]) if field == "contexts" else OnlineSample([[5]], [token], [9])
+    where = r"contexts\[0\]" if field == "contexts" else "input"
+    with pytest.raises(ValueError, match=rf"samples\[0\]\.{where} holds the token id {token}, outside .*int64"):
+        CCMDataCollator(CONFIG)([sample])
 
 
 def _character_tokenizer(text, add_special_tokens=True):

@@ -63,10 +63,12 @@ def token_ids(
         if not integral:
             raise ValueError(f"{where} must hold integer token ids (or be a string), got {tokens!r:.80}.")
         ids = [int(token) for token in ids]
-    # Ids from a tokenizer too: another model's may give ids past this one's vocabulary.
-    wrong = [token for token in ids if token < 0 or (vocabulary is not None and token >= vocabulary)]
+    # Ids from a tokenizer too: another model's may give ids past this one's vocabulary. Without one, ids must fit the
+    # batch's int64 tensors (a larger one failed there with "Overflow when unpacking long long", naming no sample).
+    end = vocabulary if vocabulary is not None else 2**63
+    wrong = [token for token in ids if not 0 <= token < end]
     if wrong:
-        limit = f"0..{vocabulary - 1}" if vocabulary is not None else "ids >= 0"
+        limit = f"0..{vocabulary - 1}" if vocabulary is not None else "ids 0..2**63 - 1, int64"
         raise ValueError(
             f"{where} holds the token id {wrong[0]}, outside the model's vocabulary ({limit}); tokenize with "
             "this model's tokenizer."
