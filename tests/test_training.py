@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import TrainingArguments
 
+from crafted_files import pipe_feeding
 from tiny_models import (
     VOCAB,
     InjectedFailure,
@@ -473,6 +474,25 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(tmp_path, seeds, cu
     for name, gradient in whole.items():  # None: a LoRA that feeds nothing (the last layer's <COMP> queries)
         assert (gradient is None) == (accumulated[name] is None), name
         assert gradient is None or torch.allclose(accumulated[name], gradient, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("name", ["rng_state.pth", "ccm_config.json"])
+def test_resume_refuses_a_checkpoint_file_that_is_a_pipe(tmp_path_factory, two_checkpoints, name):
+    """A named pipe among a checkpoint's files was opened as a file: the resumed run waited for good for a writer
+    (here one comes, and its bytes were read as the file's)."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("resumed") / "run"
+    shutil.copytree(folder, run)
+    path = run / "checkpoint-2" / name
+    content = path.read_text(errors="replace")
+    path.unlink()
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    recipe = TrainingRecipe(steps=3, batch_size=2, save_every=1)
+    with (
+        pipe_feeding(path, content),
+        pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not a regular file \(a folder, a pipe or a dev"),
+    ):
+        train(model, None, samples, None, run, recipe, resume=True)
 
 
 def test_a_run_resumed_in_a_later_epoch_ends_as_the_uninterrupted_run(tmp_path):

@@ -515,6 +515,8 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
             continue
         # torch.save writes a zip archive: its checksums tell a truncated or damaged file without unpickling it.
         path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):  # a pipe would block the read for good
+            raise ValueError(f"{path} is not a regular file (a folder, a pipe or a device); {fix}")
         try:
             with zipfile.ZipFile(path) as archive:
                 bad_member = archive.testzip()
