@@ -994,6 +994,33 @@ def test_a_manifest_larger_than_any_is_refused_before_it_is_read_whole(tmp_path,
         hub_module.read_adapter(folder)
 
 
+@pytest.mark.parametrize("name", ["ccm_config.json", "adapter_config.json", "adapter_model.safetensors"])
+def test_a_link_out_of_the_adapters_folder_is_refused_and_a_hub_snapshots_links_load(tmp_path, saved_adapter, name):
+    """A file linked from elsewhere was read as the adapter's (here the very same bytes, so that nothing else tells);
+    links inside the folder, and those of a Hub cache snapshot into its repository's blobs, are read as before."""
+    folder, _ = _crafted_copy(saved_adapter, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (folder / name).rename(elsewhere / name)
+    (folder / name).symlink_to(elsewhere / name)
+    with pytest.raises(ValueError, match=rf"{folder / name} is a link to {elsewhere / name}, outside the adapter's"):
+        hub_module.read_adapter(folder)
+    (elsewhere / name).rename(folder / f"real-{name}")
+    (folder / name).unlink()
+    (folder / name).symlink_to(f"real-{name}")
+    hub_module.read_adapter(folder)
+    # The layout huggingface_hub writes: snapshots/<revision>/<file> -> ../../blobs/<digest>.
+    repo = tmp_path / "hub" / "models--acme--tiny-ccm"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in Path(saved_adapter).iterdir():
+        digest = hub_module._digest(file.read_bytes())
+        shutil.copy(file, repo / "blobs" / digest)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
+    assert hub_module.read_adapter(snapshot)[0] == hub_module.read_adapter(Path(saved_adapter))[0]
+
+
 @pytest.mark.parametrize("name", ["ccm_config.json", "adapter_config.json"])
 def test_a_config_larger_than_any_is_refused_before_it_is_read_whole(tmp_path, saved_adapter, name):
     """A crafted config of gigabytes (valid JSON: whitespace, or a long list) was read, then parsed, into memory;

@@ -208,6 +208,7 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
     # the weights last (a save in between changes their digest), and the JSON and the weights parsed from the bytes
     # digested.
     with folder_lock(folder, exclusive=False):
+        _check_links(folder)
         manifest = _read_manifest(folder / MANIFEST_NAME)
         names = (CONFIG_NAME, ADAPTER_CONFIG_NAME)
         files = {
@@ -250,6 +251,21 @@ def _read_tensors(path: Path, content: bytes) -> dict[str, torch.Tensor]:
             f"{path} holds tensors that are not floating point, one value per element ({error.args[0]}): {names}; "
             "save or download the adapter again."
         ) from None
+
+
+def _check_links(folder: Path) -> None:
+    """Raise unless each file of the adapter in `folder` that is a link leads inside the folder, or, for a Hub cache
+    snapshot (`.../snapshots/<revision>`), inside its cached repository, whose `blobs` the snapshot links to. A
+    crafted folder's links made a load read any file on the machine (a JSON one named its keys in the error)."""
+    real = folder.resolve()
+    root = real.parent.parent if real.parent.name == "snapshots" else real
+    for name in (*VERIFIED_FILES, MANIFEST_NAME):
+        path = folder / name
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{path} is a link to {path.resolve()}, outside the adapter's folder, and an adapter is read from its "
+                "own files only; copy the file into the folder in place of the link."
+            )
 
 
 def _read_manifest(path: Path) -> bytes | None:
