@@ -261,7 +261,8 @@ def _check_links(folder: Path) -> None:
     root = real.parent.parent if real.parent.name == "snapshots" else real
     for name in (*VERIFIED_FILES, MANIFEST_NAME):
         path = folder / name
-        if path.is_symlink() and not path.resolve().is_relative_to(root):
+        # A link to no regular file (a device, a broken link) is never read: the checks of each file name it.
+        if path.is_symlink() and path.is_file() and not path.resolve().is_relative_to(root):
             raise ValueError(
                 f"{path} is a link to {path.resolve()}, outside the adapter's folder, and an adapter is read from its "
                 "own files only; copy the file into the folder in place of the link."
