@@ -482,35 +482,41 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
             attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
         """
-        state = self._check_cache(cache, "compress()")
-        self._check_adapter_acts(cache, "compress()", compresses=True)
-        cache.check_compressible()
-        context, context_mask = self._context(cache, context_ids, attention_mask)
-        pending_mask = cache.pending_mask.to(context_mask.device)
-        rows = cache.turn_mask.any(dim=1).to(context_mask.device) | pending_mask.any(dim=1) | context_mask.any(dim=1)
-        # A turn of padding alone (its rows' tokens left behind by batch_select_indices, say) is folded all the same:
-        # it adds nothing to any row's memory, and generate() and save() refuse the cache until it is folded.
-        if not rows.any() and not cache.has_unfolded_turn:
-            raise ValueError(
-                "Nothing to compress: the context is empty and the cache holds no turn to fold. Pass context_ids "
-                "with at least one token."
+        _check_is_cache(cache)
+        with cache.running("compress()"):  # claimed before the checks: no other call changes it after them
+            state = self._check_owner(cache)
+            self._check_adapter_acts(cache, "compress()", compresses=True)
+            cache.check_compressible()
+            context, context_mask = self._context(cache, context_ids, attention_mask)
+            pending_mask = cache.pending_mask.to(context_mask.device)
+            rows = (
+                cache.turn_mask.any(dim=1).to(context_mask.device) | pending_mask.any(dim=1) | context_mask.any(dim=1)
             )
-        n, batch, device = self.config.num_comp_tokens, cache.batch_size, self.device
-        with cache.running("compress()"), self._unchanged_since(state, "compress()"):
-            pending_ids, pending_mask = cache.take_pending()
-            ids = torch.cat([pending_ids.to(device), context.to(device)], dim=1)
-            mask = torch.cat([pending_mask.to(device), context_mask.to(device)], dim=1)
-            ordinary = self.base_model.get_input_embeddings()(ids)
-            comp = self.comp_embeddings[None].expand(batch, n, -1).to(ordinary.dtype)
-            is_comp = torch.cat([torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1)
-            with self.lora_at(is_comp):
-                self.base_model(
-                    inputs_embeds=torch.cat([ordinary, comp], dim=1),
-                    attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1),
-                    logits_to_keep=1,
-                    **{CACHE_ARGUMENT: cache},
+            # A turn of padding alone (its rows' tokens left behind by batch_select_indices, say) is folded all the
+            # same: it adds nothing to any row's memory, and generate() and save() refuse the cache until it is folded.
+            if not rows.any() and not cache.has_unfolded_turn:
+                raise ValueError(
+                    "Nothing to compress: the context is empty and the cache holds no turn to fold. Pass context_ids "
+                    "with at least one token."
                 )
-            cache.fold(n, rows)
+            n, batch, device = self.config.num_comp_tokens, cache.batch_size, self.device
+            with self._unchanged_since(state, "compress()"):
+                pending_ids, pending_mask = cache.take_pending()
+                ids = torch.cat([pending_ids.to(device), context.to(device)], dim=1)
+                mask = torch.cat([pending_mask.to(device), context_mask.to(device)], dim=1)
+                ordinary = self.base_model.get_input_embeddings()(ids)
+                comp = self.comp_embeddings[None].expand(batch, n, -1).to(ordinary.dtype)
+                is_comp = torch.cat(
+                    [torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1
+                )
+                with self.lora_at(is_comp):
+                    self.base_model(
+                        inputs_embeds=torch.cat([ordinary, comp], dim=1),
+                        attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1),
+                        logits_to_keep=1,
+                        **{CACHE_ARGUMENT: cache},
+                    )
+                cache.fold(n, rows)
 
     def _context(
         self, cache: CompressedMemoryCache, context_ids: Any, attention_mask: torch.Tensor | None
@@ -598,97 +604,104 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache = given if given is not None else self.new_cache(prompt.shape[0])
         if not isinstance(cache, CompressedMemoryCache):
             raise TypeError(f"past_key_values must be a CompressedMemoryCache (model.new_cache()), got {type(cache)}.")
-        state = self._check_cache(cache, "generate()")
-        self._check_adapter_acts(cache, "generate()")
-        self._check_tokens(prompt, name, cache)
-        if embeds is not None and input_ids is not None:  # transformers returns input_ids as the prompt's tokens
-            self._check_tokens(input_ids, "input_ids", cache)
-            if input_ids.shape[1] != embeds.shape[1]:
-                raise ValueError(
-                    f"input_ids has {input_ids.shape[1]} tokens but inputs_embeds {embeds.shape[1]}; give the ids of "
-                    "the embedded prompt, or inputs_embeds alone."
-                )
-        if attention_mask is None:
-            attention_mask = torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
-        else:
-            attention_mask = _checked_mask(
-                attention_mask,
-                prompt[..., 0] if embeds is not None else prompt,
-                name,
-                "prompt token (the memory needs none)",
-            )
-            empty = (~attention_mask.bool().any(dim=1)).nonzero().flatten().tolist()
-            # Such a row's first token was predicted at a padding position, and the reply went into its memory.
-            if empty:
-                raise ValueError(
-                    f"attention_mask marks every prompt token of row(s) {empty} as padding, so generate() would reply "
-                    "to nothing and fold that reply into their memory; give every row at least one token with mask 1 "
-                    "(or leave those users out of the batch)."
-                )
-        settings = self._generation_settings(kwargs)
-        if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
-            raise ValueError(
-                "Assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) crops the draft "
-                "tokens it rejects from the cache, and a CompressedMemoryCache cannot be cropped: its memory is "
-                "compressed. Generate without those options."
-            )
-        if not settings.use_cache:  # the memory is in the cache: decoding without it would feed every token again
-            if kwargs.get("generation_config") is not None and "use_cache" not in kwargs:
-                kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-                kwargs["generation_config"].use_cache = True
+        with cache.running("generate()"):  # claimed before the checks: no other call changes it after them
+            state = self._check_owner(cache)
+            self._check_adapter_acts(cache, "generate()")
+            self._check_tokens(prompt, name, cache)
+            if embeds is not None and input_ids is not None:  # transformers returns input_ids as the prompt's tokens
+                self._check_tokens(input_ids, "input_ids", cache)
+                if input_ids.shape[1] != embeds.shape[1]:
+                    raise ValueError(
+                        f"input_ids has {input_ids.shape[1]} tokens but inputs_embeds {embeds.shape[1]}; give the ids "
+                        "of the embedded prompt, or inputs_embeds alone."
+                    )
+            if attention_mask is None:
+                attention_mask = torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
             else:
-                kwargs["use_cache"] = True
-        if settings.cache_implementation is not None:
-            given = kwargs.get("generation_config")
-            asked = kwargs.get("cache_implementation") or getattr(given, "cache_implementation", None)
-            if asked is not None:
+                attention_mask = _checked_mask(
+                    attention_mask,
+                    prompt[..., 0] if embeds is not None else prompt,
+                    name,
+                    "prompt token (the memory needs none)",
+                )
+                empty = (~attention_mask.bool().any(dim=1)).nonzero().flatten().tolist()
+                # Such a row's first token was predicted at a padding position, and the reply went into its memory.
+                if empty:
+                    raise ValueError(
+                        f"attention_mask marks every prompt token of row(s) {empty} as padding, so generate() would "
+                        "reply to nothing and fold that reply into their memory; give every row at least one token "
+                        "with mask 1 (or leave those users out of the batch)."
+                    )
+            settings = self._generation_settings(kwargs)
+            if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
                 raise ValueError(
-                    f"cache_implementation={asked!r} asks generate() to build a cache of its own, but a CCM model "
-                    "decodes with its CompressedMemoryCache, which holds the memory; drop the option."
+                    "Assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) crops the "
+                    "draft tokens it rejects from the cache, and a CompressedMemoryCache cannot be cropped: its memory "
+                    "is compressed. Generate without those options."
                 )
-            # Saved on the base model for its own caches (transformers refuses it beside a given cache).
-            kwargs["cache_implementation"] = None
-        num_sequences = settings.num_return_sequences or 1
-        expand = max(settings.num_beams or 1, num_sequences)
-        with cache.running("generate()"), self._gate.scope(), self._unchanged_since(state, "generate()"):
-            run_cache = cache
-            if expand > 1:  # generate() expands the inputs, not a given cache
-                run_cache = cache.copy()
-                run_cache.batch_repeat_interleave(expand)
-            # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
-            run_cache.begin_generation()
-            prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
-            output = self.base_model.generate(
-                **{key: value for key, value in prompts.items() if value is not None},
-                attention_mask=attention_mask,
-                **{CACHE_ARGUMENT: run_cache},
-                **kwargs,
-            )
-            sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            if num_sequences > 1:
-                return output
-            # transformers returns the prompt's ids, if it was given them, before the generated ones
-            generated = sequences[:, 0 if input_ids is None else input_ids.shape[1] :]
-            if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
-                if expand > 1:  # it takes the returned sequence now: its count starts with it, as a greedy call's
-                    cache.begin_generation()
-                self.base_model(
-                    **(self._followed_by(name, prompt, generated) if expand > 1 else {"input_ids": generated[:, -1:]}),
-                    logits_to_keep=1,
-                    **{CACHE_ARGUMENT: cache},
+            if not settings.use_cache:  # the memory is in the cache: decoding without it would feed every token again
+                if kwargs.get("generation_config") is not None and "use_cache" not in kwargs:
+                    kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+                    kwargs["generation_config"].use_cache = True
+                else:
+                    kwargs["use_cache"] = True
+            if settings.cache_implementation is not None:
+                given = kwargs.get("generation_config")
+                asked = kwargs.get("cache_implementation") or getattr(given, "cache_implementation", None)
+                if asked is not None:
+                    raise ValueError(
+                        f"cache_implementation={asked!r} asks generate() to build a cache of its own, but a CCM model "
+                        "decodes with its CompressedMemoryCache, which holds the memory; drop the option."
+                    )
+                # Saved on the base model for its own caches (transformers refuses it beside a given cache).
+                kwargs["cache_implementation"] = None
+            num_sequences = settings.num_return_sequences or 1
+            expand = max(settings.num_beams or 1, num_sequences)
+            with self._gate.scope(), self._unchanged_since(state, "generate()"):
+                run_cache = cache
+                if expand > 1:  # generate() expands the inputs, not a given cache
+                    run_cache = cache.copy()
+                    run_cache.batch_repeat_interleave(expand)
+                # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
+                run_cache.begin_generation()
+                prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
+                output = self.base_model.generate(
+                    **{key: value for key, value in prompts.items() if value is not None},
+                    attention_mask=attention_mask,
+                    **{CACHE_ARGUMENT: run_cache},
+                    **kwargs,
                 )
-                return output
-            if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
-                self.base_model(
-                    **self._followed_by(name, prompt, generated[:, :-1]),
-                    attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
-                    logits_to_keep=1,
-                    **{CACHE_ARGUMENT: cache},
+                sequences = output if isinstance(output, torch.Tensor) else output.sequences
+                if num_sequences > 1:
+                    return output
+                # transformers returns the prompt's ids, if it was given them, before the generated ones
+                generated = sequences[:, 0 if input_ids is None else input_ids.shape[1] :]
+                if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
+                    if expand > 1:  # it takes the returned sequence now: its count starts with it, as a greedy call's
+                        cache.begin_generation()
+                    self.base_model(
+                        **(
+                            self._followed_by(name, prompt, generated)
+                            if expand > 1
+                            else {"input_ids": generated[:, -1:]}
+                        ),
+                        logits_to_keep=1,
+                        **{CACHE_ARGUMENT: cache},
+                    )
+                    return output
+                if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
+                    self.base_model(
+                        **self._followed_by(name, prompt, generated[:, :-1]),
+                        attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
+                        logits_to_keep=1,
+                        **{CACHE_ARGUMENT: cache},
+                    )
+                eos = settings.eos_token_id
+                cache.end_generation(
+                    generated,
+                    [] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+                    settings.pad_token_id,
                 )
-            eos = settings.eos_token_id
-            cache.end_generation(
-                generated, [] if eos is None else [eos] if isinstance(eos, int) else list(eos), settings.pad_token_id
-            )
         return output
 
     def _followed_by(self, name: str, prompt: torch.Tensor, generated: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -713,56 +726,61 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """New tokens of the turn (or of a stream, in pieces the window can take): logits `(batch, len, vocab)`."""
-        state = self._check_cache(cache, "model(...)")
-        self._check_adapter_acts(cache, "model(...)")
-        name = "input_ids" if input_ids is not None else "inputs_embeds"
-        tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
-        if tokens is None:
-            raise ValueError("An online forward takes input_ids (or inputs_embeds).")
-        self._check_tokens(tokens, name, cache)
-        if attention_mask is not None:
-            attention_mask = _as_mask(attention_mask, tokens.device, "input token")
-            new = tokens.shape[1]
-            # Padding alone would leave a turn that compress() finds nothing in to fold, and that blocks generate().
-            if cache.streaming is None and attention_mask.ndim == 2 and not attention_mask[:, -new:].bool().any():
+        with cache.running("model(...)"):  # claimed before the checks: no other call changes it after them
+            state = self._check_owner(cache)
+            self._check_adapter_acts(cache, "model(...)")
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
+            if tokens is None:
+                raise ValueError("An online forward takes input_ids (or inputs_embeds).")
+            self._check_tokens(tokens, name, cache)
+            if attention_mask is not None:
+                attention_mask = _as_mask(attention_mask, tokens.device, "input token")
+                new = tokens.shape[1]
+                # Padding alone would leave a turn that compress() finds nothing in to fold, and that blocks generate().
+                if cache.streaming is None and attention_mask.ndim == 2 and not attention_mask[:, -new:].bool().any():
+                    raise ValueError(
+                        f"attention_mask marks every one of the {new} new tokens as padding (0), so the call would "
+                        "add nothing but padding to the turn; pass at least one token with mask 1 (a row of padding "
+                        "only is fine beside rows with tokens)."
+                    )
+            step = cache.max_forward_tokens
+            if kwargs.get("output_attentions") and step is not None and tokens.shape[1] > step:
                 raise ValueError(
-                    f"attention_mask marks every one of the {new} new tokens as padding (0), so the call would add "
-                    "nothing but padding to the turn; pass at least one token with mask 1 (a row of padding only is "
-                    "fine beside rows with tokens)."
+                    f"output_attentions with {tokens.shape[1]} tokens, which the stream runs in pieces of {step} that "
+                    "each attend to a different window (no one attention map covers them); pass at most "
+                    f"{step} tokens per call."
                 )
-        step = cache.max_forward_tokens
-        if kwargs.get("output_attentions") and step is not None and tokens.shape[1] > step:
-            raise ValueError(
-                f"output_attentions with {tokens.shape[1]} tokens, which the stream runs in pieces of {step} that each "
-                f"attend to a different window (no one attention map covers them); pass at most {step} tokens per call."
-            )
-        with cache.running("model(...)"), self._gate.scope(), self._unchanged_since(state, "model(...)"):
-            self._run_pending(cache)
-            if step is None or tokens.shape[1] <= step:
-                return self.base_model(
-                    **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
+            with self._gate.scope(), self._unchanged_since(state, "model(...)"):
+                self._run_pending(cache)
+                if step is None or tokens.shape[1] <= step:
+                    return self.base_model(
+                        **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
+                    )
+                cache.input_mask(attention_mask)
+                keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
+                pieces = [
+                    self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs)
+                    for piece in tokens.split(step, dim=1)
+                ]
+                every = torch.cat([piece.logits for piece in pieces], dim=1)
+                hidden_states = None
+                if pieces[0].hidden_states is not None:  # per layer, the pieces' positions in order
+                    hidden_states = tuple(
+                        torch.cat(layer, dim=1)
+                        for layer in zip(*(piece.hidden_states for piece in pieces), strict=True)
+                    )
+                output = CausalLMOutputWithPast(
+                    logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep],
+                    hidden_states=hidden_states,
+                    **{CACHE_ARGUMENT: cache},
                 )
-            cache.input_mask(attention_mask)
-            keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
-            pieces = [
-                self.base_model(**{name: piece, CACHE_ARGUMENT: cache}, **kwargs) for piece in tokens.split(step, dim=1)
-            ]
-            every = torch.cat([piece.logits for piece in pieces], dim=1)
-            hidden_states = None
-            if pieces[0].hidden_states is not None:  # per layer, the pieces' positions in order
-                hidden_states = tuple(
-                    torch.cat(layer, dim=1) for layer in zip(*(piece.hidden_states for piece in pieces), strict=True)
-                )
-            output = CausalLMOutputWithPast(
-                logits=every[:, -keep:] if isinstance(keep, int) else every[:, keep],
-                hidden_states=hidden_states,
-                **{CACHE_ARGUMENT: cache},
-            )
-            # Inside the transaction: labels that do not fit the logits fail the call, which leaves the cache as it was.
-            if labels is not None:
-                output.loss = self.base_model.loss_function(
-                    logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
-                )
+                # Inside the transaction: labels that do not fit the logits fail the call, which leaves the cache as it
+                # was.
+                if labels is not None:
+                    output.loss = self.base_model.loss_function(
+                        logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
+                    )
         return output
 
     def _run_pending(self, cache: CompressedMemoryCache) -> None:
@@ -948,18 +966,20 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             raise _changed_during(call)
 
     def _check_cache(self, cache: CompressedMemoryCache, call: str) -> _ModelState:
-        """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one), the
-        model still runs as CCM wrapped it (`_check_wrapping`), and the cache was made by this model, with these
-        weights and settings, and lives on its device. Returns the model's state (`_state()`) taken before the
-        checks, for the call to hold the model to (`_unchanged_since`): a change during the checks fails the call
-        too."""
-        state = self._state()
-        if not isinstance(cache, CompressedMemoryCache):
-            raise TypeError(
-                f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}."
-            )
+        """Raise unless `cache` is free for `call` (no other call runs on it, in another thread or in this one) and
+        `_check_owner` passes; for a check made without claiming the cache (a call claims it first, with
+        `cache.running`, and then checks the owner)."""
+        _check_is_cache(cache)
         cache.check_free()
         cache.check_no_call(call)
+        return self._check_owner(cache)
+
+    def _check_owner(self, cache: CompressedMemoryCache) -> _ModelState:
+        """Raise unless the model still runs as CCM wrapped it (`_check_wrapping`) and `cache` was made by this model,
+        with these weights and settings, and lives on its device. Returns the model's state (`_state()`) taken before
+        the checks, for the call to hold the model to (`_unchanged_since`): a change during the checks fails the call
+        too."""
+        state = self._state()
         self._check_wrapping()
         cache.check_signature(self._signature(state))
         cache.check_device(self.device)
@@ -1279,6 +1299,12 @@ def _changed_during(call: str) -> ValueError:
         "another thread), so the call mixed two models; the cache is left as it was, and belongs to the model before "
         "the change. Change a serving model only while no call runs on it (or serve from another copy of the model)."
     )
+
+
+def _check_is_cache(cache: Any) -> None:
+    """Raise unless `cache` is a `CompressedMemoryCache`."""
+    if not isinstance(cache, CompressedMemoryCache):
+        raise TypeError(f"The cache must be a CompressedMemoryCache (model.new_cache()), got {type(cache).__name__}.")
 
 
 def _check_tensor(tokens: Any, name: str) -> None:
