@@ -518,6 +518,31 @@ def test_a_task_using_the_cache_inside_another_tasks_transaction_is_refused(firs
     assert int(cache.steps[0]) == (1 if first_fails else 2)  # the other thread's call ran
 
 
+def test_a_call_sent_to_a_thread_from_inside_a_transaction_is_refused_with_the_way_to_run_it():
+    """`asyncio.to_thread` copies the task's context, and so the claim of a task's `transaction()`, into the thread: a
+    call sent there from inside the transaction was refused as "in use by another thread", with the advice to give
+    each thread its own cache. It is refused (the transaction could restore the cache under it, were the task
+    cancelled) with the way to run the transaction; run so, it gives what it gives alone."""
+    model = tiny_ccm("llama")
+    context, alone = torch.tensor([[5, 6, 7]]), model.new_cache()
+    model.compress(alone, context)
+    cache = model.new_cache()
+
+    async def sent_from_transaction() -> None:
+        with cache.transaction():
+            await asyncio.to_thread(model.compress, cache, context)
+
+    def turn() -> None:
+        with cache.transaction():
+            model.compress(cache, context)
+
+    with pytest.raises(ValueError, match=r"asyncio.to_thread\(turn\), with the `with cache.transaction\(\):`"):
+        asyncio.run(sent_from_transaction())
+    _assert_equal(_content(cache), _content(model.new_cache()), "the cache after the refused call")
+    asyncio.run(asyncio.to_thread(turn))
+    _assert_equal(_content(cache), _content(alone), "the cache after the turn run in one thread")
+
+
 class _LockstepStreamer(BaseStreamer):
     """Waits at `barrier` at every token: each thread's generate() goes on only when the other's reached its token."""
 

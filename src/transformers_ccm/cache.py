@@ -572,11 +572,23 @@ class CompressedMemoryCache(Cache):
 
     def check_free(self) -> None:
         """Raise if another thread or asyncio task is running a call on this cache (a cache is one user's state)."""
-        if self._user is not None and not self._claimed_here():
+        user = self._user
+        if user is None or self._claimed_here():
+            return
+        if user[1] is _CLAIMANT.get():
+            # The claimant travels with a copied context (asyncio.to_thread copies the task's): a call sent to a thread
+            # from inside a transaction, which would restore the cache under it if the holder failed (or its task were
+            # cancelled) meanwhile; or the other way round.
             raise ValueError(
-                "This CompressedMemoryCache is in use by a call in another thread (or asyncio task). A cache holds one "
-                "user's memory: give each thread (or user) its own cache, or hold a lock per cache around its calls."
+                "This CompressedMemoryCache is in use by another thread that shares this one's claims: one runs with "
+                "the context of the other's cache.transaction(), as asyncio.to_thread copies a task's context. A "
+                "transaction's calls run in the thread that holds it: run the whole transaction in one thread, await "
+                "asyncio.to_thread(turn), with the `with cache.transaction():` block inside turn."
             )
+        raise ValueError(
+            "This CompressedMemoryCache is in use by a call in another thread (or asyncio task). A cache holds one "
+            "user's memory: give each thread (or user) its own cache, or hold a lock per cache around its calls."
+        )
 
     # ----- the online forward ------------------------------------------------------------------------------------
     def prepare_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
