@@ -18,11 +18,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import (
     InjectedFailure,
+    SeededSampling,
     randomize_adapter,
     tiny_ccm,
     tiny_full_context_baseline,
@@ -52,19 +53,6 @@ def tiny_llama_model(tokenizer, update: str = "merge") -> CCMForCausalLM:
 @pytest.fixture(scope="module", params=["concat", "merge"])
 def model(request, tokenizer) -> CCMForCausalLM:
     return tiny_llama_model(tokenizer, request.param)
-
-
-class _GumbelSampling(LogitsProcessor):
-    """Sampling from the model's distribution with a generator of the call's own (Gumbel-max): every token but the
-    drawn one is masked, so generate()'s own draw from the global generator, which threads share, picks it surely."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(min=1e-20)
-        drawn = (scores - torch.log(-torch.log(uniform))).argmax(-1, keepdim=True)
-        return torch.full_like(scores, -torch.inf).scatter(-1, drawn, 0.0)
 
 
 def _interrupt(*_: object, **__: object) -> torch.Tensor:
@@ -105,7 +93,7 @@ class _User:
             self.folded()
             options: dict[str, object] = {"max_new_tokens": 3, "do_sample": False}
             if operation == "generate sampling":
-                sampler = _GumbelSampling(torch.Generator().manual_seed(self.seed * 100 + self.step))
+                sampler = SeededSampling(torch.Generator().manual_seed(self.seed * 100 + self.step))
                 options.update(do_sample=True, logits_processor=LogitsProcessorList([sampler]))
             elif operation == "generate beams":
                 options.update(num_beams=2)

@@ -26,7 +26,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import FAILURES, FailAt, assert_same, model_snapshot, snapshot
-from tiny_models import randomize_adapter, tiny_ccm, tiny_longrope_base
+from tiny_models import InjectedFailure, SeededSampling, randomize_adapter, tiny_ccm, tiny_longrope_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.lora import _GATE, _GateState
@@ -141,19 +141,6 @@ def _tokenizer() -> Any:
 STREAM = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
 
 
-class _Sampling(LogitsProcessor):
-    """Sampling with a generator of the call's own (Gumbel-max): every token but the drawn one is masked, so that
-    generate()'s draw from the global generator, which threads share, picks it surely."""
-
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(min=1e-20)
-        drawn = (scores - torch.log(-torch.log(uniform))).argmax(-1, keepdim=True)
-        return torch.full_like(scores, -torch.inf).scatter(-1, drawn, 0.0)
-
-
 class _FailingStopping(StoppingCriteria):
     """Interrupts generation at its second token."""
 
@@ -168,6 +155,8 @@ class _FailingStopping(StoppingCriteria):
 
 
 class _FailingProcessor(LogitsProcessor):
+    """Runs out of memory at the first token."""
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         raise FAILURES["out of memory"]()
 
@@ -232,7 +221,8 @@ class _Served:
         prompt = self.ids(3 if operation in ("compress", "stream generate", "stream forward") else 2)
         options: dict[str, Any] = {"max_new_tokens": 3, "do_sample": False, **arguments}
         if operation == "generate sampling":
-            processors = [_Sampling(self.seed * 100 + self.step), *options.pop("logits_processor", [])]
+            sampler = SeededSampling(torch.Generator().manual_seed(self.seed * 100 + self.step))
+            processors = [sampler, *options.pop("logits_processor", [])]
             options.update(do_sample=True, logits_processor=LogitsProcessorList(processors))
         elif operation == "generate beams":
             options.update(num_beams=2)
@@ -287,7 +277,9 @@ class _Failure:
     def expected(self) -> type[BaseException]:
         if self.kind in FAILURES:
             return type(FAILURES[self.kind]())
-        return {"stopping criterion": KeyboardInterrupt, "logits processor": RuntimeError}.get(self.kind, RuntimeError)
+        return {"stopping criterion": KeyboardInterrupt, "logits processor": RuntimeError, "streamer": InjectedFailure}[
+            self.kind
+        ]
 
 
 @st.composite

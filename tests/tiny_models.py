@@ -1,4 +1,5 @@
-"""Tiny random configurations of real architectures, and adapters with random (non-zero) weights."""
+"""Tiny random configurations of real architectures, adapters with random (non-zero) weights, and the helpers that
+make their calls fail or sample reproducibly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import (
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    LogitsProcessor,
     MistralConfig,
     OlmoConfig,
     Phi3Config,
@@ -153,6 +155,19 @@ def tiny_full_context_baseline(architecture: str = "llama", seed: int | None = N
     drawn with `seed`, or with `seed=None` the LoRA still zero (it reads a plain prompt as the base model does)."""
     model = CCMForCausalLM.from_base(tiny_base(architecture), full_context_config(CCMConfig(lora_dropout=0.0)))
     return model.eval() if seed is None else randomize_adapter(model, seed=seed)
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling from the model's distribution with a generator of the call's own (Gumbel-max): every token but the
+    drawn one is masked, so generate()'s own draw from the global generator, which threads share, picks it surely."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(min=1e-20)
+        drawn = (scores - torch.log(-torch.log(uniform))).argmax(-1, keepdim=True)
+        return torch.full_like(scores, -torch.inf).scatter(-1, drawn, 0.0)
 
 
 class InjectedFailure(RuntimeError):
