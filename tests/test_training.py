@@ -401,6 +401,44 @@ def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory,
     assert train(model, None, samples, None, run, recipe, resume=True).state.global_step == 3
 
 
+class _Crafted:
+    """Pickled, it calls `open(path, "w")` when unpickled: a file that runs code on load."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("optimizer.pt", r"optimizer\.pt holds an object other than tensors and plain data \([\w.]*open\)"),
+        ("scheduler.pt", r"scheduler\.pt holds an object other than tensors and plain data \([\w.]*open\)"),
+        ("rng_state.pth", r"rng_state\.pth holds an object other than tensors and plain data \([\w.]*open\)"),
+        ("scaler.pt", r"scaler\.pt is the loss scaler of an fp16 run, which no ccm training run writes"),
+    ],
+)
+def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path_factory, two_checkpoints, name, message):
+    """The Trainer refused a crafted pickle's code (weights_only=True) only once the checkpoint's adapter was loaded,
+    with a bare UnpicklingError that advised loading the file unrestricted; a scaler file (fp16 runs) failed on a
+    bare AttributeError. Now the file is named before anything loads, and its code never runs."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("crafted") / "run"
+    shutil.copytree(folder, run)
+    ran = run / "code-ran"
+    torch.save({"state": _Crafted(ran), "param_groups": []}, run / "checkpoint-2" / name)
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"{message}.*delete .*checkpoint-2 to resume from the checkpoint before it"):
+        train(model, None, samples, None, run, TrainingRecipe(steps=2, batch_size=2, save_every=1), resume=True)
+    assert not ran.exists()
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
 @pytest.mark.parametrize(
     ("supervision", "unlabelled", "message"),
     [

@@ -7,7 +7,9 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 from __future__ import annotations
 
 import os
+import pickle
 import platform
+import re
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from typing import Any, Literal, get_args
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.trainer import SCALER_NAME
+from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import get_last_checkpoint
 
 from transformers_ccm.config import CCMConfig
@@ -511,19 +515,41 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
             f"train --init-adapter {checkpoint})."
         )
     for name in sorted(os.listdir(checkpoint)):
-        if not name.endswith((".pt", ".pth")):
-            continue
-        # torch.save writes a zip archive: its checksums tell a truncated or damaged file without unpickling it.
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):  # a pipe would block the read for good
-            raise ValueError(f"{path} is not a regular file (a folder, a pipe or a device); {fix}")
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad_member = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as error:
-            raise ValueError(f"{path} is damaged ({error}); {fix}") from None
-        if bad_member is not None:
-            raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
+        if name.endswith((".pt", ".pth")):
+            _check_pickled_state(os.path.join(checkpoint, name), fix)
+
+
+def _check_pickled_state(path: str, fix: str) -> None:
+    """Raise a ValueError naming `path` unless it is a whole `torch.save` archive that the Trainer can load on resume:
+    tensors and plain data only. The Trainer loads it with `weights_only=True`, which refuses a crafted file's
+    objects without running their code, but with a bare `UnpicklingError` that advises loading it unrestricted, once
+    the checkpoint's adapter is in the model; here it is refused first, and never unpickled but by that loader."""
+    if os.path.basename(path) == SCALER_NAME:
+        # The loss scaler of fp16 training, which ccm never runs: the Trainer, holding no scaler, failed on a bare
+        # AttributeError.
+        raise ValueError(f"{path} is the loss scaler of an fp16 run, which no ccm training run writes; {fix}")
+    if not os.path.isfile(path):  # a pipe would block the read for good
+        raise ValueError(f"{path} is not a regular file (a folder, a pipe or a device); {fix}")
+    # torch.save writes a zip archive: its checksums tell a truncated or damaged file before unpickling it.
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad_member = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise ValueError(f"{path} is damaged ({error}); {fix}") from None
+    if bad_member is not None:
+        raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
+    try:
+        with safe_globals():  # the numpy types of the RNG state, allowed as the Trainer allows them
+            torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        held = f" ({found[1]})" if found else ""
+        raise ValueError(
+            f"{path} holds an object other than tensors and plain data{held}, which no training checkpoint does: a "
+            f"crafted or foreign file, left unloaded; {fix}"
+        ) from None
+    except (RuntimeError, EOFError) as error:  # an archive whose pickle or records are not torch.save's
+        raise ValueError(f"{path} is damaged ({error}); {fix}") from None
 
 
 def _named(trained_on: str | None) -> str:
