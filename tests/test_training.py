@@ -1,6 +1,7 @@
 """A few hundred optimisation steps on a tiny model learn to answer from compressed contexts."""
 
 import itertools
+import json
 import random
 import re
 import shutil
@@ -435,6 +436,42 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path_factory, tw
     with pytest.raises(ValueError, match=f"{message}.*delete .*checkpoint-2 to resume from the checkpoint before it"):
         train(model, None, samples, None, run, TrainingRecipe(steps=2, batch_size=2, save_every=1), resume=True)
     assert not ran.exists()
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("global_step", -3, r"global_step=-3, not its folder's step \(the integer 2\)"),  # wrote checkpoint--1
+        (
+            "global_step",
+            10**30,
+            r"global_step=10+, not its folder's step \(the integer 2\)",
+        ),  # ended at once, saving the adapter
+        ("global_step", "2", r"global_step='2', not its folder's step \(the integer 2\)"),  # TypeError
+        ("global_step", True, r"global_step=True, not its folder's step \(the integer 2\)"),  # ran as step 1
+        ("global_step", None, r"global_step=None, not its folder's step \(the integer 2\)"),  # TypeError
+        ("zzz", 1, r"fields no Trainer writes \(zzz\)"),  # TypeError
+        ("log_history", {}, r"log_history=\{\}, not a list of objects"),  # AttributeError at the first log
+        ("train_batch_size", "2", r"train_batch_size='2', not a positive integer or null"),  # TypeError
+        ("stateful_callbacks", {}, r"stateful_callbacks=\{\}, not an object with a TrainerControl object"),  # KeyError
+    ],
+)
+def test_resume_refuses_a_crafted_trainer_state(tmp_path_factory, two_checkpoints, field, value, message):
+    """A trainer_state.json of other types failed in the Trainer on a bare TypeError, AttributeError or KeyError (at
+    the first save, steps later), or ran on from a step its folder does not hold."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("crafted") / "run"
+    shutil.copytree(folder, run)
+    path = run / "checkpoint-2" / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    recipe = TrainingRecipe(steps=3, batch_size=2, save_every=1, log_every=1)
+    with pytest.raises(ValueError, match=f"trainer_state.json holds {message}; delete .*checkpoint-2 to resume from"):
+        train(model, None, samples, None, run, recipe, resume=True)
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
 

@@ -11,13 +11,13 @@ import pickle
 import platform
 import re
 import zipfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.trainer import SCALER_NAME
 from transformers.trainer_pt_utils import safe_globals
@@ -30,7 +30,7 @@ from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
-from transformers_ccm.validation import check_setting, finite_number, is_int, positive_int
+from transformers_ccm.validation import check_setting, finite_number, is_int, number, positive_int
 
 # "auto": bf16 on a GPU that supports it, fp32 on CPU; "bf16": bf16 autocast (mixed precision: the weights, the
 # gradients and the optimizer state stay fp32) on a GPU or a CPU with bf16 instructions; "fp32": no autocast.
@@ -494,7 +494,7 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
         raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
     state = os.path.join(checkpoint, "trainer_state.json")
     with open(state, "rb") as file:
-        parse_json_object(file.read(), state, fix)
+        _check_trainer_state(parse_json_object(file.read(), state, fix), state, checkpoint, fix)
     saved = CCMConfig.from_pretrained(checkpoint)
     settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
     different = [name for name in settings if getattr(saved, name) != getattr(config, name)]
@@ -517,6 +517,43 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
     for name in sorted(os.listdir(checkpoint)):
         if name.endswith((".pt", ".pth")):
             _check_pickled_state(os.path.join(checkpoint, name), fix)
+
+
+# What each field of trainer_state.json that a resumed run reads must hold. A hand-edited or crafted file's other
+# values failed deep in the Trainer on a bare TypeError or KeyError (some only at the first save, steps later), or ran
+# on: a negative step wrote checkpoint--1 and checkpoint--2, a huge one ended the run at once and saved the
+# checkpoint's adapter as trained.
+_STATE_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "epoch": ("a number", finite_number),
+    "train_batch_size": ("a positive integer or null", lambda v: v is None or positive_int(v)),
+    "num_input_tokens_seen": ("an integer >= 0", lambda v: is_int(v) and v >= 0),
+    "total_flos": ("a number", finite_number),
+    "log_history": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v)),
+    "best_metric": ("a number or null", lambda v: v is None or number(v)),
+    "best_global_step": ("an integer >= 0 or null", lambda v: v is None or (is_int(v) and v >= 0)),
+    "best_model_checkpoint": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    # The Trainer writes each stateful callback's entry back at every save, and fails there on a missing one.
+    "stateful_callbacks": (
+        "an object with a TrainerControl object",
+        lambda v: isinstance(v, dict) and isinstance(v.get("TrainerControl"), dict),
+    ),
+}
+
+
+def _check_trainer_state(state: dict[str, Any], path: str, checkpoint: str, fix: str) -> None:
+    """Raise a ValueError naming `path` and the field unless `state` (its content) is what the Trainer writes: the
+    fields it knows, of their types, and the step of the folder's name."""
+    unknown = sorted(set(state) - {field.name for field in fields(TrainerState)})
+    if unknown:
+        raise ValueError(f"{path} holds fields no Trainer writes ({', '.join(unknown)}); {fix}")
+    step = int(os.path.basename(checkpoint).rpartition("-")[2])
+    if not is_int(state.get("global_step")) or state["global_step"] != step:
+        raise ValueError(
+            f"{path} holds global_step={state.get('global_step')!r}, not its folder's step (the integer {step}); {fix}"
+        )
+    for name, (allowed, ok) in _STATE_FIELDS.items():
+        if name in state and not ok(state[name]):
+            raise ValueError(f"{path} holds {name}={state[name]!r}, not {allowed}; {fix}")
 
 
 def _check_pickled_state(path: str, fix: str) -> None:
