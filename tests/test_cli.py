@@ -822,7 +822,8 @@ def test_train_refuses_conflicting_flags_before_the_model_loads(tmp_path, capsys
 
 
 def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, capsys):
-    """--resume into a folder without checkpoints, or of another adapter, was refused once the model had loaded."""
+    """--resume into a folder without checkpoints, or of another adapter, was refused once the model had loaded; one
+    with another learning rate went on with the checkpoint's."""
     run = tmp_path / "run"
     shutil.copytree(adapter, run)
     for output, arguments, message in (
@@ -833,6 +834,12 @@ def test_train_checks_what_it_resumes_before_the_model_loads(adapter, tmp_path, 
             ["--task", "people"],
             'was trained on "transformers-ccm built-in task \'mixture\'", and this run trains on "transformers-ccm '
             "built-in task 'people'\"",
+        ),
+        (
+            run,
+            ["--batch-size", "2", "--learning-rate", "0.5", "--seed", "1"],
+            "trained with other settings (--learning-rate: checkpoint 0.001 vs this run 0.5, --seed: checkpoint 0 "
+            "vs this run 1); resume with the settings of the run that wrote it",
         ),
     ):
         with pytest.raises(SystemExit) as exit_info:

@@ -33,7 +33,7 @@ from transformers_ccm import (
 )
 from transformers_ccm.baseline import full_context_config
 from transformers_ccm.stream_training import StreamCollator
-from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, train
+from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, check_resume, train
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
 
@@ -474,6 +474,69 @@ def test_resume_refuses_a_crafted_trainer_state(tmp_path_factory, two_checkpoint
         train(model, None, samples, None, run, recipe, resume=True)
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
+# A value other than two_checkpoints' run used, for each setting a resumed run must share with it.
+_OTHER_SETTINGS = {
+    "batch_size": 1,
+    "gradient_accumulation": 2,
+    "learning_rate": 0.5,
+    "warmup_ratio": 0.5,
+    "weight_decay": 0.1,
+    "seed": 3,
+    "group_by_length": False,
+    "supervision": "dense",
+    "distill_weight": 1.0,
+    "distill_temperature": 2.0,
+    "stream_piece": 4,
+}
+# Settings that change neither the samples, their order nor the optimizer, and may change on resume.
+_FREE_SETTINGS = {"precision": "fp32", "gradient_checkpointing": True, "eval_every": 1, "log_every": 1, "steps": 5}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    changed=st.sets(st.sampled_from(sorted(_OTHER_SETTINGS))),
+    free=st.sets(st.sampled_from(sorted(_FREE_SETTINGS))),
+)
+def test_resume_refuses_exactly_the_changed_settings_of_the_run(two_checkpoints, changed, free):
+    """The Trainer took the learning rate and weight decay from the saved optimizer and ignored the new ones without a
+    word; another batch size, accumulation, seed or grouping skipped other samples than the run had trained on."""
+    folder, _ = two_checkpoints
+    recipe = replace(
+        TrainingRecipe(steps=2, batch_size=2, save_every=1),
+        **{name: _OTHER_SETTINGS[name] for name in changed},
+        **{name: _FREE_SETTINGS[name] for name in free},
+    )
+    config = CCMConfig(lora_dropout=0.0)
+    if not changed:
+        check_resume(folder, config, recipe)
+        return
+    with pytest.raises(ValueError, match=r"checkpoint-2 was trained with other settings \(") as refused:
+        check_resume(folder, config, recipe)
+    named = set(re.findall(r"TrainingRecipe\.(\w+): checkpoint", str(refused.value)))
+    assert named == changed
+    assert "ccm train --init-adapter" in str(refused.value)
+
+
+def test_a_refused_resume_changes_nothing_and_an_allowed_one_goes_on(tmp_path_factory, two_checkpoints):
+    """A resumed run with another learning rate trained on with the checkpoint's (the optimizer's); now it is refused
+    before the adapter loads, and one with only another precision, evaluation interval or length goes on."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("changed") / "run"
+    shutil.copytree(folder, run)
+    shutil.rmtree(run / "checkpoint-2")
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=1)
+    message = r"TrainingRecipe.learning_rate: checkpoint 0.001 vs this run 0.5\); resume with the settings"
+    with pytest.raises(ValueError, match=message):
+        train(model, None, samples, None, run, replace(recipe, learning_rate=0.5), resume=True)
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    resumed = train(model, None, samples, None, run, replace(recipe, precision="fp32", eval_every=1), resume=True)
+    assert resumed.state.global_step == 2
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,16 @@ _RECIPE_FLAGS = {
     "seed": "--seed",
     "distill_weight": "--distill-weight",
     "stream_piece": "--stream-piece",
+    "group_by_length": "--group-by-length",
+    "supervision": "--supervision",
+    "layout": "--method",
+    "streaming": "--supervision stream, --compress-chunk or --keep-window-full",
 }
+
+
+def _in_flags(error: ValueError) -> ValueError:
+    """`error` in the words of `ccm train`: each TrainingRecipe field it names as the flag that sets it."""
+    return ValueError(re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error)))
 
 
 def _is_file(task: str) -> bool:
@@ -162,8 +171,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             stream_piece=args.stream_piece,
         )
     except ValueError as error:  # in the command's words: the flag, not the TrainingRecipe field it sets
-        message = re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error))
-        raise ValueError(message) from None
+        raise _in_flags(error) from None
     torch.manual_seed(args.seed)  # once the recipe has checked it: torch named no flag for a seed past 64 bits
     config = CCMConfig(
         num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
@@ -184,7 +192,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
     check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
     if args.resume:
-        check_resume(args.output_dir, config)
+        try:
+            check_resume(args.output_dir, config, recipe)
+        except ValueError as error:
+            raise _in_flags(error) from None
     else:
         check_fresh_start(args.output_dir)
     # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and

@@ -6,14 +6,16 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import platform
 import re
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
@@ -26,6 +28,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
+from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
@@ -113,6 +116,8 @@ class CCMTrainer(Trainer):
     stream_piece: int = 16
     # Set: each training sample's length in positions, and batches are drawn length-grouped.
     sample_lengths: list[int] | None = None
+    # Set: the run's settings (`_run_settings`), written into each checkpoint for `check_resume` to compare.
+    run_settings: dict[str, Any] | None = None
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
         if self.sample_lengths is None:
@@ -128,7 +133,11 @@ class CCMTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
             return
-        self.model.save_pretrained(output_dir or self.args.output_dir)
+        output_dir = output_dir or self.args.output_dir
+        self.model.save_pretrained(output_dir)
+        if self.run_settings is not None:
+            text = json.dumps(self.run_settings, indent=2)
+            replace_file(os.path.join(output_dir, RUN_SETTINGS_NAME), lambda path: Path(path).write_text(text))
 
     def compute_loss(
         self,
@@ -296,7 +305,7 @@ def train(
     if teacher is not None:
         _check_teacher(model, teacher)
     if resume:
-        check_resume(output_dir, model.config)
+        check_resume(output_dir, model.config, recipe)
     else:
         check_fresh_start(output_dir)
     args = TrainingArguments(
@@ -362,6 +371,7 @@ def train(
         data_collator=collator,
     )
     trainer.sample_lengths = sample_lengths
+    trainer.run_settings = _run_settings(recipe)
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
@@ -475,9 +485,43 @@ CHECKPOINT_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
 
 
-def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
+# The recipe settings a resumed run must share with its checkpoint: what it learns from, in what order, and the
+# optimizer it continues. The Trainer took the learning rate and weight decay from the saved optimizer without a word;
+# another batch size, accumulation, seed or grouping skipped other samples than the run had trained on. Precision,
+# gradient checkpointing, padding and the eval, save and log intervals change neither, and may change; so may `steps`,
+# to go on past the end of a run (its schedule then stretches to the new length).
+RESUMED_RECIPE = (
+    "batch_size",
+    "gradient_accumulation",
+    "learning_rate",
+    "warmup_ratio",
+    "weight_decay",
+    "seed",
+    "group_by_length",
+    "supervision",
+    "layout",
+    "distill_weight",
+    "distill_temperature",
+    "streaming",
+    "stream_piece",
+)
+# Each checkpoint's record of its run's settings (checkpoints written before it have none, and are not compared).
+RUN_SETTINGS_NAME = "ccm_training.json"
+
+
+def _run_settings(recipe: TrainingRecipe) -> dict[str, Any]:
+    """The settings of `recipe` in `RESUMED_RECIPE`, and the number of processes (each draws its share of every
+    batch), as JSON values."""
+    settings = {name: getattr(recipe, name) for name in RESUMED_RECIPE}
+    settings["streaming"] = None if recipe.streaming is None else asdict(recipe.streaming)
+    settings["processes"] = int(os.environ.get("WORLD_SIZE", "1"))
+    return json.loads(json.dumps(settings))
+
+
+def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig, recipe: TrainingRecipe | None = None) -> None:
     """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
-    continue with a model of `config` (settings only: `ccm train --resume` asks before any model loads). A checkpoint
+    continue with a model of `config` and, given, `recipe` (settings only: `ccm train --resume` asks before any model
+    loads). A checkpoint
     incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
     model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
     adapter gave it another update rule, and one trained on other samples (`trained_on`) the new ones, without a
@@ -517,6 +561,30 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig) -> None:
     for name in sorted(os.listdir(checkpoint)):
         if name.endswith((".pt", ".pth")):
             _check_pickled_state(os.path.join(checkpoint, name), fix)
+    if recipe is not None:
+        _check_run_settings(checkpoint, recipe, fix)
+
+
+def _check_run_settings(checkpoint: str, recipe: TrainingRecipe, fix: str) -> None:
+    """Raise a ValueError naming each setting of `recipe` that differs from the one `checkpoint` was trained with."""
+    path = os.path.join(checkpoint, RUN_SETTINGS_NAME)
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as file:
+        saved = parse_json_object(file.read(), path, fix)
+    ours = _run_settings(recipe)
+    different = [name for name in ours if saved.get(name) != ours[name]]
+    if different:
+        details = ", ".join(
+            f"{'the number of processes' if n == 'processes' else f'TrainingRecipe.{n}'}: checkpoint "
+            f"{saved.get(n)!r} vs this run {ours[n]!r}"
+            for n in different
+        )
+        raise ValueError(
+            f"{checkpoint} was trained with other settings ({details}); resume with the settings of the run that "
+            f"wrote it, or train its adapter on with the new ones, optimizer and schedule anew, in another output "
+            f"folder (ccm train --init-adapter {checkpoint})."
+        )
 
 
 # What each field of trainer_state.json that a resumed run reads must hold. A hand-edited or crafted file's other
