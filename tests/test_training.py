@@ -539,6 +539,21 @@ def test_a_refused_resume_changes_nothing_and_an_allowed_one_goes_on(tmp_path_fa
     assert resumed.state.global_step == 2
 
 
+@pytest.mark.parametrize(("architecture", "seed"), [("llama", 5), ("qwen2", 0)], ids=["other-weights", "other-arch"])
+def test_resume_refuses_another_base_model(tmp_path_factory, two_checkpoints, architecture, seed):
+    """A run resumed on another base of the same shape (another checkpoint or fine-tune of the architecture) trained
+    the adapter on it without a word; one of another architecture was refused only once training began, as an
+    adapter "made for None"."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("rebased") / "run"
+    shutil.copytree(folder, run)
+    model = CCMForCausalLM.from_base(tiny_base(architecture, seed=seed), CCMConfig(lora_dropout=0.0))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint-2 was trained with other settings \(another base model \(its"):
+        train(model, None, samples, None, run, TrainingRecipe(steps=2, batch_size=2, save_every=1), resume=True)
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
 @pytest.mark.parametrize(
     ("supervision", "unlabelled", "message"),
     [

@@ -304,8 +304,9 @@ def train(
     check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
     if teacher is not None:
         _check_teacher(model, teacher)
+    base_fingerprint = model.memory_signature()["base_fingerprint"]
     if resume:
-        check_resume(output_dir, model.config, recipe)
+        check_resume(output_dir, model.config, recipe, base_fingerprint)
     else:
         check_fresh_start(output_dir)
     args = TrainingArguments(
@@ -371,7 +372,7 @@ def train(
         data_collator=collator,
     )
     trainer.sample_lengths = sample_lengths
-    trainer.run_settings = _run_settings(recipe)
+    trainer.run_settings = {**_run_settings(recipe), BASE_FINGERPRINT: base_fingerprint}
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
@@ -507,6 +508,9 @@ RESUMED_RECIPE = (
 )
 # Each checkpoint's record of its run's settings (checkpoints written before it have none, and are not compared).
 RUN_SETTINGS_NAME = "ccm_training.json"
+# Its entry for the base model's weights (`memory_signature()["base_fingerprint"]`): a run resumed on another base of
+# the same shape (another checkpoint or fine-tune of the architecture) went on training the adapter on it.
+BASE_FINGERPRINT = "base_fingerprint"
 
 
 def _run_settings(recipe: TrainingRecipe) -> dict[str, Any]:
@@ -518,10 +522,15 @@ def _run_settings(recipe: TrainingRecipe) -> dict[str, Any]:
     return json.loads(json.dumps(settings))
 
 
-def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig, recipe: TrainingRecipe | None = None) -> None:
+def check_resume(
+    output_dir: str | os.PathLike[str],
+    config: CCMConfig,
+    recipe: TrainingRecipe | None = None,
+    base_fingerprint: str | None = None,
+) -> None:
     """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
-    continue with a model of `config` and, given, `recipe` (settings only: `ccm train --resume` asks before any model
-    loads). A checkpoint
+    continue with a model of `config` and, given, `recipe` and a base model of `base_fingerprint` (settings only:
+    `ccm train --resume` asks before any model loads). A checkpoint
     incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
     model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
     adapter gave it another update rule, and one trained on other samples (`trained_on`) the new ones, without a
@@ -562,21 +571,24 @@ def check_resume(output_dir: str | os.PathLike[str], config: CCMConfig, recipe: 
         if name.endswith((".pt", ".pth")):
             _check_pickled_state(os.path.join(checkpoint, name), fix)
     if recipe is not None:
-        _check_run_settings(checkpoint, recipe, fix)
+        _check_run_settings(checkpoint, recipe, base_fingerprint, fix)
 
 
-def _check_run_settings(checkpoint: str, recipe: TrainingRecipe, fix: str) -> None:
-    """Raise a ValueError naming each setting of `recipe` that differs from the one `checkpoint` was trained with."""
+def _check_run_settings(checkpoint: str, recipe: TrainingRecipe, base_fingerprint: str | None, fix: str) -> None:
+    """Raise a ValueError naming each setting of `recipe` (and the base model, given its fingerprint) that differs
+    from the one `checkpoint` was trained with."""
     path = os.path.join(checkpoint, RUN_SETTINGS_NAME)
     if not os.path.isfile(path):
         return
     with open(path, "rb") as file:
         saved = parse_json_object(file.read(), path, fix)
-    ours = _run_settings(recipe)
+    ours = _run_settings(recipe) | ({BASE_FINGERPRINT: base_fingerprint} if base_fingerprint else {})
     different = [name for name in ours if saved.get(name) != ours[name]]
     if different:
         details = ", ".join(
-            f"{'the number of processes' if n == 'processes' else f'TrainingRecipe.{n}'}: checkpoint "
+            "another base model (its weights differ: ccm train --model)"
+            if n == BASE_FINGERPRINT
+            else f"{'the number of processes' if n == 'processes' else f'TrainingRecipe.{n}'}: checkpoint "
             f"{saved.get(n)!r} vs this run {ours[n]!r}"
             for n in different
         )
