@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from transformers import TrainingArguments
 
 from crafted_files import pipe_feeding
+from fault_injection import FAILURES, FailAt, count_operations
 from tiny_models import (
     VOCAB,
     InjectedFailure,
@@ -552,6 +553,45 @@ def test_resume_refuses_another_base_model(tmp_path_factory, two_checkpoints, ar
     with pytest.raises(ValueError, match=r"checkpoint-2 was trained with other settings \(another base model \(its"):
         train(model, None, samples, None, run, TrainingRecipe(steps=2, batch_size=2, save_every=1), resume=True)
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A run of 6 steps with dropout and evaluation, its final adapter, and how many tensor operations it ran."""
+    samples = [recall_sample(random.Random(seed)) for seed in range(8)]
+    recipe = TrainingRecipe(steps=6, batch_size=2, save_every=2, eval_every=3, learning_rate=1e-2)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())  # dropout on: the RNG state must come back
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    operations = count_operations(lambda: train(model, None, samples, samples[:2], folder / "run", recipe))
+    return samples, recipe, model.adapter_tensors(), operations
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(when=st.floats(0.05, 0.95), failure=st.sampled_from(["interrupt", "injected"]))
+def test_a_run_killed_anywhere_resumes_to_the_adapter_of_the_uninterrupted_run(
+    tmp_path_factory, uninterrupted, when, failure
+):
+    """Killed in a step, an evaluation or a checkpoint's save, a run leaves no checkpoint that resume takes for
+    complete: resumed (past the one cut short, as the refusal says), it ends bit for bit where the uninterrupted run
+    did, dropout and batch order included (the same operations on the same CPU)."""
+    samples, recipe, expected, operations = uninterrupted
+    run = tmp_path_factory.mktemp("killed") / "run"
+    with pytest.raises((KeyboardInterrupt, InjectedFailure)), FailAt(int(when * operations), FAILURES[failure]):
+        train(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), None, samples, samples[:2], run, recipe)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    if not run.exists() or not list(run.glob("checkpoint-*")):
+        return  # killed before the first checkpoint: nothing to resume
+    try:
+        train(model, None, samples, samples[:2], run, recipe, resume=True)
+    except ValueError as refused:  # a checkpoint cut short: the fix is to go back to the one before it
+        cut = re.match(r"(\S+checkpoint-\d+) is incomplete", str(refused))
+        assert cut, refused
+        shutil.rmtree(cut[1])
+        if not list(run.glob("checkpoint-*")):
+            return
+        train(model, None, samples, samples[:2], run, recipe, resume=True)
+    for name, tensor in model.adapter_tensors().items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 @pytest.mark.parametrize(
