@@ -594,6 +594,22 @@ def test_a_run_killed_anywhere_resumes_to_the_adapter_of_the_uninterrupted_run(
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_a_finished_run_resumed_ends_where_it_is(tmp_path):
+    """The Trainer asks whether to stop only after a step: a finished run started again with --resume made one more
+    step past its schedule's end at each start (checkpoint-7, checkpoint-8), from the second on with the learning
+    rate rising again, and saved that adapter as the run's."""
+    samples = [recall_sample(random.Random(seed)) for seed in range(8)]  # four steps an epoch: the run ends in epoch 2
+    recipe = TrainingRecipe(steps=6, batch_size=2, save_every=1, learning_rate=1e-2)
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    train(model, None, samples, None, tmp_path, recipe)
+    expected = model.adapter_tensors()
+    for _ in range(2):
+        resumed = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+        assert train(resumed, None, samples, None, tmp_path, recipe, resume=True).state.global_step == 6
+        assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in resumed.adapter_tensors().items())
+
+
 @pytest.mark.parametrize(
     ("supervision", "unlabelled", "message"),
     [

@@ -205,6 +205,15 @@ class CCMTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         (model or self.model).load_adapter(resume_from_checkpoint)
 
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+        # The Trainer asks whether to stop only after a step: a run resumed at its last step (a finished run started
+        # again) made one more step past the schedule's end at each start, writing checkpoint-<steps + 1>, and from
+        # the second on with the learning rate rising again. It ends where it is, as a run of that length does.
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
+
 
 def _count_parameter_writes(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step hook: count the step's writes in every parameter's version counter. A fused optimizer (torch's
