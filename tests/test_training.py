@@ -382,8 +382,25 @@ def test_resume_refuses_a_checkpoint_trained_on_other_samples(tmp_path_factory, 
         ("trainer_state.json", lambda path: path.unlink(), "is incomplete: it has no trainer_state.json"),
         ("optimizer.pt", lambda path: path.unlink(), "is incomplete: it has no optimizer.pt"),
         ("scheduler.pt", lambda path: path.unlink(), "is incomplete: it has no scheduler.pt"),
+        # The adapter's own reader raised a FileNotFoundError, or named a fix (save it again) for no checkpoint.
+        ("adapter_model.safetensors", lambda path: path.unlink(), "is incomplete: it has no adapter_model.safetensors"),
+        ("ccm_config.json", lambda path: path.unlink(), "is incomplete: it has no ccm_config.json"),
+        ("adapter_model.safetensors", lambda path: _truncate(path, 0.5), "holds a damaged adapter .*corrupt"),
+        ("adapter_config.json", _flip_middle_byte, "holds a damaged adapter .*mixes files of different saves"),
     ],
-    ids=["cut-optimizer", "flipped-optimizer", "empty-scheduler", "cut-state", "no-state", "no-optimizer", "no-sched"],
+    ids=[
+        "cut-optimizer",
+        "flipped-optimizer",
+        "empty-scheduler",
+        "cut-state",
+        "no-state",
+        "no-optimizer",
+        "no-sched",
+        "no-adapter",
+        "no-config",
+        "cut-adapter",
+        "flipped-adapter-config",
+    ],
 )
 def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory, two_checkpoints, damage):
     """A checkpoint cut short (a run killed while writing it) failed with a bare OSError or JSONDecodeError once the

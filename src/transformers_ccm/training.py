@@ -29,6 +29,7 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.files import replace_file
+from transformers_ccm.hub import VERIFIED_FILES, read_adapter
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
@@ -539,11 +540,10 @@ def check_resume(
 ) -> None:
     """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
     continue with a model of `config` and, given, `recipe` and a base model of `base_fingerprint` (settings only:
-    `ccm train --resume` asks before any model loads). A checkpoint
-    incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
-    model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
-    adapter gave it another update rule, and one trained on other samples (`trained_on`) the new ones, without a
-    word. The adapter itself is checked as it loads."""
+    `ccm train --resume` asks before any model loads). A checkpoint incomplete or damaged (a run killed while writing
+    it, a full disk) made the Trainer load its adapter into the model, then fail on the rest with a bare `OSError` or
+    `JSONDecodeError` that named no file; one of another adapter gave it another update rule, and one trained on
+    other samples (`trained_on`) the new ones, without a word."""
     checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
     if checkpoint is None:
         raise ValueError(
@@ -551,13 +551,17 @@ def check_resume(
             "give the output folder of the run to continue."
         )
     fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
-    missing = [name for name in CHECKPOINT_STATE if not os.path.isfile(os.path.join(checkpoint, name))]
+    expected = (*VERIFIED_FILES, *CHECKPOINT_STATE)
+    missing = [name for name in expected if not os.path.isfile(os.path.join(checkpoint, name))]
     if missing:
         raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
     state = os.path.join(checkpoint, "trainer_state.json")
     with open(state, "rb") as file:
         _check_trainer_state(parse_json_object(file.read(), state, fix), state, checkpoint, fix)
-    saved = CCMConfig.from_pretrained(checkpoint)
+    try:  # the adapter the Trainer loads first, whose reader's own fix (save it again) fits no checkpoint
+        saved, _ = read_adapter(Path(checkpoint))
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{checkpoint} holds a damaged adapter ({error}); {fix}") from None
     settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
     different = [name for name in settings if getattr(saved, name) != getattr(config, name)]
     if different:
