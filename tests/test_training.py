@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 from transformers import TrainingArguments
 
 from crafted_files import pipe_feeding
@@ -377,9 +378,7 @@ def test_resume_refuses_a_checkpoint_trained_on_other_samples(tmp_path_factory, 
         ("optimizer.pt", _flip_middle_byte, "optimizer.pt is damaged"),
         ("scheduler.pt", lambda path: path.write_bytes(b""), "scheduler.pt is damaged"),
         ("trainer_state.json", lambda path: _truncate(path, 0.5), "trainer_state.json is not valid JSON"),
-        # Missing: the Trainer failed on a bare FileNotFoundError for the state, and for the optimizer or scheduler
-        # silently started both anew (a fresh Adam state, a second warm-up).
-        ("trainer_state.json", lambda path: path.unlink(), "is incomplete: it has no trainer_state.json"),
+        # Missing: the Trainer silently started the optimizer or scheduler anew (a fresh Adam state, a second warm-up).
         ("optimizer.pt", lambda path: path.unlink(), "is incomplete: it has no optimizer.pt"),
         ("scheduler.pt", lambda path: path.unlink(), "is incomplete: it has no scheduler.pt"),
         # The adapter's own reader raised a FileNotFoundError, or named a fix (save it again) for no checkpoint.
@@ -393,7 +392,6 @@ def test_resume_refuses_a_checkpoint_trained_on_other_samples(tmp_path_factory, 
         "flipped-optimizer",
         "empty-scheduler",
         "cut-state",
-        "no-state",
         "no-optimizer",
         "no-sched",
         "no-adapter",
@@ -589,24 +587,16 @@ def test_a_run_killed_anywhere_resumes_to_the_adapter_of_the_uninterrupted_run(
     tmp_path_factory, uninterrupted, when, failure
 ):
     """Killed in a step, an evaluation or a checkpoint's save, a run leaves no checkpoint that resume takes for
-    complete: resumed (past the one cut short, as the refusal says), it ends bit for bit where the uninterrupted run
-    did, dropout and batch order included (the same operations on the same CPU)."""
+    complete: resumed (past a checkpoint cut short), it ends bit for bit where the uninterrupted run did, dropout and
+    batch order included (the same operations on the same CPU)."""
     samples, recipe, expected, operations = uninterrupted
     run = tmp_path_factory.mktemp("killed") / "run"
     with pytest.raises((KeyboardInterrupt, InjectedFailure)), FailAt(int(when * operations), FAILURES[failure]):
         train(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), None, samples, samples[:2], run, recipe)
+    if not list(run.glob("checkpoint-*/trainer_state.json")):
+        return  # killed before the first checkpoint was whole: nothing to resume
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
-    if not run.exists() or not list(run.glob("checkpoint-*")):
-        return  # killed before the first checkpoint: nothing to resume
-    try:
-        train(model, None, samples, samples[:2], run, recipe, resume=True)
-    except ValueError as refused:  # a checkpoint cut short: the fix is to go back to the one before it
-        cut = re.match(r"(\S+checkpoint-\d+) is incomplete", str(refused))
-        assert cut, refused
-        shutil.rmtree(cut[1])
-        if not list(run.glob("checkpoint-*")):
-            return
-        train(model, None, samples, samples[:2], run, recipe, resume=True)
+    train(model, None, samples, samples[:2], run, recipe, resume=True)
     for name, tensor in model.adapter_tensors().items():
         assert torch.equal(tensor, expected[name]), name
 
@@ -625,6 +615,28 @@ def test_a_finished_run_resumed_ends_where_it_is(tmp_path):
         assert train(resumed, None, samples, None, tmp_path, recipe, resume=True).state.global_step == 6
         assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
         assert all(torch.equal(tensor, expected[name]) for name, tensor in resumed.adapter_tensors().items())
+
+
+def test_resume_passes_over_a_checkpoint_whose_save_was_cut_short(tmp_path_factory, two_checkpoints, caplog):
+    """A run killed while saving a checkpoint (before its trainer_state.json, which the Trainer writes last) left a
+    folder that the Trainer took for the last checkpoint, failing on a bare FileNotFoundError, and that resume then
+    refused until someone deleted it: a preempted job restarted with --resume failed at every restart."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("cut") / "run"
+    shutil.copytree(folder, run)
+    for name in ("trainer_state.json", "rng_state.pth"):  # killed while writing the RNG state
+        (run / "checkpoint-2" / name).unlink()
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=1)
+    assert train(model, None, samples, None, run, recipe, resume=True).state.global_step == 2
+    assert "checkpoint-2 was cut short while saving (no trainer_state.json): resuming from" in caplog.text
+    expected, resumed = (load_file(path / "adapter_model.safetensors") for path in (folder, run))
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in resumed.items())
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file()  # saved again, whole
+    for checkpoint in run.glob("checkpoint-*"):  # only saves cut short: nothing to resume, and the fix
+        (checkpoint / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match=r"holds only checkpoints whose save was cut short .*delete its checkpoint-"):
+        train(model, None, samples, None, run, recipe, resume=True)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ model, samples and the paper's recipe (Tables 10-11, scaled to a small machine) 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import platform
@@ -21,9 +22,9 @@ from typing import Any, Literal, get_args
 import torch
 from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-from transformers.trainer import SCALER_NAME
+from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import safe_globals
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
@@ -35,6 +36,8 @@ from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.validation import check_setting, finite_number, is_int, number, positive_int
+
+logger = logging.getLogger(__name__)
 
 # "auto": bf16 on a GPU that supports it, fp32 on CPU; "bf16": bf16 autocast (mixed precision: the weights, the
 # gradients and the optimizer state stay fp32) on a GPU or a CPU with bf16 instructions; "fp32": no autocast.
@@ -383,6 +386,10 @@ def train(
     )
     trainer.sample_lengths = sample_lengths
     trainer.run_settings = {**_run_settings(recipe), BASE_FINGERPRINT: base_fingerprint}
+    checkpoint = _resumed_checkpoint(output_dir) if resume else None
+    last = get_last_checkpoint(os.fspath(output_dir)) if resume else None
+    if checkpoint != last:
+        logger.warning("%s was cut short while saving (no %s): resuming from %s.", last, TRAINER_STATE_NAME, checkpoint)
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
@@ -391,7 +398,7 @@ def train(
     adapter = _trainable_state(model)
     try:
         try:
-            trainer.train(resume_from_checkpoint=True if resume else None)
+            trainer.train(resume_from_checkpoint=checkpoint)
         finally:  # also when a step fails
             # The Trainer switches the model to training mode and leaves it there: the caller gets it back in its own
             # mode, so that dropout does not make every later compress and generate random. accelerate wraps the
@@ -491,7 +498,7 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
 
 # What the Trainer writes into every checkpoint besides the adapter, and needs to go on as the run went: without the
 # optimizer or the scheduler it silently starts both anew (a fresh Adam state, a second warm-up).
-CHECKPOINT_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+CHECKPOINT_STATE = (TRAINER_STATE_NAME, "optimizer.pt", "scheduler.pt")
 # The settings a resumed run must share with its checkpoint: the adapter's structure and how its memory is made.
 RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
 
@@ -516,6 +523,7 @@ RESUMED_RECIPE = (
     "streaming",
     "stream_piece",
 )
+_CHECKPOINT_FOLDER = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 # Each checkpoint's record of its run's settings (checkpoints written before it have none, and are not compared).
 RUN_SETTINGS_NAME = "ccm_training.json"
 # Its entry for the base model's weights (`memory_signature()["base_fingerprint"]`): a run resumed on another base of
@@ -544,8 +552,14 @@ def check_resume(
     it, a full disk) made the Trainer load its adapter into the model, then fail on the rest with a bare `OSError` or
     `JSONDecodeError` that named no file; one of another adapter gave it another update rule, and one trained on
     other samples (`trained_on`) the new ones, without a word."""
-    checkpoint = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
+    checkpoint = _resumed_checkpoint(output_dir)
     if checkpoint is None:
+        last = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
+        if last is not None:
+            raise ValueError(
+                f"{os.fspath(output_dir)} holds only checkpoints whose save was cut short (no {TRAINER_STATE_NAME}, "
+                f"as in {last}); delete its checkpoint-* folders and train anew without --resume (resume=False)."
+            )
         raise ValueError(
             f"{os.fspath(output_dir)} holds no checkpoint to resume from; train without --resume (resume=False), or "
             "give the output folder of the run to continue."
@@ -555,7 +569,7 @@ def check_resume(
     missing = [name for name in expected if not os.path.isfile(os.path.join(checkpoint, name))]
     if missing:
         raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
-    state = os.path.join(checkpoint, "trainer_state.json")
+    state = os.path.join(checkpoint, TRAINER_STATE_NAME)
     with open(state, "rb") as file:
         _check_trainer_state(parse_json_object(file.read(), state, fix), state, checkpoint, fix)
     try:  # the adapter the Trainer loads first, whose reader's own fix (save it again) fits no checkpoint
@@ -585,6 +599,25 @@ def check_resume(
             _check_pickled_state(os.path.join(checkpoint, name), fix)
     if recipe is not None:
         _check_run_settings(checkpoint, recipe, base_fingerprint, fix)
+
+
+def _resumed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The checkpoint `resume=True` continues from: the last one in `output_dir` whose save was not cut short, or
+    None. The Trainer writes trainer_state.json last, so a folder without it is a save that a kill or a full disk
+    ended; the Trainer took it for the last checkpoint, and a preempted run restarted with --resume was refused until
+    someone deleted it."""
+    folder = os.fspath(output_dir)
+    if not os.path.isdir(folder):
+        return None
+    steps = [
+        (int(found[1]), name)
+        for name in os.listdir(folder)
+        if (found := _CHECKPOINT_FOLDER.fullmatch(name)) and os.path.isdir(os.path.join(folder, name))
+    ]
+    for _, name in sorted(steps, reverse=True):
+        if os.path.isfile(os.path.join(folder, name, TRAINER_STATE_NAME)):
+            return os.path.join(folder, name)
+    return None
 
 
 def _check_run_settings(checkpoint: str, recipe: TrainingRecipe, base_fingerprint: str | None, fix: str) -> None:
