@@ -566,9 +566,11 @@ def check_resume(
         )
     fix = f"delete {checkpoint} to resume from the checkpoint before it, or train anew without resuming."
     expected = (*VERIFIED_FILES, *CHECKPOINT_STATE)
-    missing = [name for name in expected if not os.path.isfile(os.path.join(checkpoint, name))]
+    missing = [name for name in expected if not os.path.lexists(os.path.join(checkpoint, name))]
     if missing:
         raise ValueError(f"{checkpoint} is incomplete: it has no {', '.join(missing)}; {fix}")
+    for name in expected:
+        _check_regular_file(os.path.join(checkpoint, name), fix)
     state = os.path.join(checkpoint, TRAINER_STATE_NAME)
     with open(state, "rb") as file:
         _check_trainer_state(parse_json_object(file.read(), state, fix), state, checkpoint, fix)
@@ -682,6 +684,13 @@ def _check_trainer_state(state: dict[str, Any], path: str, checkpoint: str, fix:
             raise ValueError(f"{path} holds {name}={state[name]!r}, not {allowed}; {fix}")
 
 
+def _check_regular_file(path: str, fix: str) -> None:
+    """Raise a ValueError naming `path` unless it is a regular file: a pipe among a checkpoint's files blocked the
+    resumed run for good, waiting for a writer."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file (a folder, a pipe or a device); {fix}")
+
+
 def _check_pickled_state(path: str, fix: str) -> None:
     """Raise a ValueError naming `path` unless it is a whole `torch.save` archive that the Trainer can load on resume:
     tensors and plain data only. The Trainer loads it with `weights_only=True`, which refuses a crafted file's
@@ -691,8 +700,7 @@ def _check_pickled_state(path: str, fix: str) -> None:
         # The loss scaler of fp16 training, which ccm never runs: the Trainer, holding no scaler, failed on a bare
         # AttributeError.
         raise ValueError(f"{path} is the loss scaler of an fp16 run, which no ccm training run writes; {fix}")
-    if not os.path.isfile(path):  # a pipe would block the read for good
-        raise ValueError(f"{path} is not a regular file (a folder, a pipe or a device); {fix}")
+    _check_regular_file(path, fix)
     # torch.save writes a zip archive: its checksums tell a truncated or damaged file before unpickling it.
     try:
         with zipfile.ZipFile(path) as archive:
