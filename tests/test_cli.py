@@ -980,3 +980,48 @@ def test_chat_goes_on_after_a_line_that_is_not_utf8(tiny_model, adapter, tmp_pat
     captured = capsys.readouterr()
     assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
     assert "that message was not answered (The message is not valid Unicode text (U+DCE9 at character 3" in captured.err
+
+
+def test_ctrl_c_during_a_reply_undoes_the_turn_and_the_chat_goes_on(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a reply was being written (a long one, say) ended `ccm chat` with a traceback; the turn is undone,
+    and the chat goes on as if the interrupted message had never been typed."""
+    from transformers_ccm.chat import ChatSession
+
+    reply = ChatSession._reply
+
+    def interrupted_at_stop(self, input_ids, model, cache):
+        result = reply(self, input_ids, model, cache)  # the reply is in the memory as a turn not yet folded
+        if "Stop" in self.tokenizer.decode(input_ids):
+            raise KeyboardInterrupt
+        return result
+
+    clean, interrupted = tmp_path / "clean.safetensors", tmp_path / "interrupted.safetensors"
+    arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--max-new-tokens", "3", "--memory-file"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\nWhat is my name?\n"))
+    main([*arguments, str(clean)])
+    expected = capsys.readouterr().out
+    monkeypatch.setattr(ChatSession, "_reply", interrupted_at_stop)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi, I am Ann.\nStop writing.\nWhat is my name?\n"))
+    main([*arguments, str(interrupted)])
+    captured = capsys.readouterr()
+    assert captured.out == expected.replace(str(clean), str(interrupted))
+    assert "ccm chat: interrupted; that message was not answered; the memory is as it was." in captured.err
+    assert interrupted.read_bytes() == clean.read_bytes()
+
+
+def test_ctrl_c_while_waiting_for_a_message_ends_the_chat_quietly(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while `ccm chat` waited for a message ended it with a traceback; it ends with a line that says so and
+    the exit status of an interrupt, the memory file holding the answered turns."""
+    memory = tmp_path / "user.safetensors"
+
+    def typed():
+        yield "Hi, I am Ann.\n"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("sys.stdin", typed())
+    arguments = ["--adapter", adapter, "--max-new-tokens", "2", "--memory-file", str(memory)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chat", "--model", tiny_model, *arguments])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 130 and captured.err.endswith("\nccm chat: interrupted\n")
+    assert captured.out.count("assistant:") == 1 and "[memory: 2 slots" in captured.out and memory.is_file()

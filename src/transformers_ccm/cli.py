@@ -756,6 +756,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
         except ValueError as error:  # a message the model cannot take: a failed turn leaves the memory as it was
             print(f"ccm chat: that message was not answered ({error}); the memory is as it was.", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops a reply (a long one, say), not the chat; the turn was undone
+            print("ccm chat: interrupted; that message was not answered; the memory is as it was.", file=sys.stderr)
+            continue
         print(f"you: {message}")  # once answered: a message refused as not being text could not be printed either
         _print_turn(report)
         if args.memory_file:
@@ -1052,6 +1055,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"ccm {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the status a shell expects of an interrupted command, not a traceback
+        print(f"ccm {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
