@@ -1025,3 +1025,24 @@ def test_ctrl_c_while_waiting_for_a_message_ends_the_chat_quietly(tiny_model, ad
     captured = capsys.readouterr()
     assert exit_info.value.code == 130 and captured.err.endswith("\nccm chat: interrupted\n")
     assert captured.out.count("assistant:") == 1 and "[memory: 2 slots" in captured.out and memory.is_file()
+
+
+@pytest.mark.parametrize("command", ["chat", "demo"])
+def test_a_character_the_output_cannot_encode_is_written_escaped(tiny_model, adapter, tmp_path, monkeypatch, command):
+    """On an output whose encoding lacks a character (a Windows code page, a pipe under PYTHONIOENCODING=ascii), a
+    message or reply with it ended the conversation with "'ascii' codec can't encode character": `ccm chat` after the
+    turn was folded and before the memory file was saved. The character is written escaped, and the chat goes on."""
+    shown = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr("sys.stdout", shown)
+    arguments = ["--model", tiny_model, "--adapter", adapter, "--max-new-tokens", "2"]
+    if command == "chat":
+        monkeypatch.setattr("sys.stdin", io.StringIO("Je suis Zoé.\nWhat is my name?\n"))
+        arguments += ["--memory-file", str(tmp_path / "user.safetensors")]
+    else:
+        monkeypatch.setattr("transformers_ccm.cli.DEMO_FACTS", {"name": "Zoé", "job": "astronomer", "friend": "Zoë"})
+        arguments += ["--turns", "2"]
+    main([command, *arguments])
+    shown.flush()
+    out = shown.buffer.getvalue().decode("ascii")
+    assert "I'm Zo\\xe9" in out or "suis Zo\\xe9." in out
+    assert out.count("assistant:") == 2 and "[memory: 4 slots" in out

@@ -708,6 +708,13 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
 
 
+def _write_any_character() -> None:
+    """Write characters the output's encoding lacks (a Windows code page, a pipe under PYTHONIOENCODING=ascii) as
+    escapes: a strict encoder raised from a message's echo or a reply, and ended the conversation mid-turn."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def _print_turn(report: TurnReport) -> None:
     print(f"assistant: {report.reply}")
     print(
@@ -742,6 +749,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         cache = CompressedMemoryCache.load(args.memory_file, model)
         print(f"(memory loaded from {args.memory_file}: {cache.memory_length} slots)")
     session = ChatSession(model, tokenizer, cache, max_new_tokens=args.max_new_tokens)
+    _write_any_character()
     print("Type a message (an empty line or Ctrl-D ends).", flush=True)
     if isinstance(sys.stdin, io.TextIOWrapper):
         # Bytes that are not UTF-8 become lone surrogates, which the session refuses for that message alone; a strict
@@ -836,6 +844,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
     model, tokenizer = _load_ccm(adapter, args.model, args.device)
     script = demo_script(**DEMO_FACTS)[: args.turns]
+    _write_any_character()
     if args.full_context:
         reader = "with its LoRA" if not model.config.conditional_lora else "alone"
         print(f"{model.config.base_model_name_or_path} {reader}, with the whole conversation as its prompt:\n")
