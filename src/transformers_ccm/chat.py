@@ -145,6 +145,14 @@ class _Conversation:
             do_sample=False,
             num_beams=1,
             num_return_sequences=1,
+            # Nor another decoding mode: assisted generation crops the drafts it rejects from the cache, which a
+            # compressed memory cannot take (greedy replies are the same without it); contrastive search and DoLa
+            # need remote code; token healing rewrites the end of the template's prompt.
+            prompt_lookup_num_tokens=None,
+            assistant_early_exit=None,
+            penalty_alpha=None,
+            dola_layers=None,
+            token_healing=False,
             eos_token_id=self._end_of_turn,
             pad_token_id=self._end_of_turn,
             # What the generation_config may ask for and a turn must then supply: the ids alone, a tokenizer to
