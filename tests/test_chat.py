@@ -50,6 +50,49 @@ def test_another_template_gives_its_own_turns(tokenizer):
     assert TurnFormat.of(other) == TurnFormat("<|user|>\n", "</s>\n<|assistant|>\n", "</s>\n")
 
 
+# Qwen3's rule (its template, reduced): a reply after the last user message is written with an empty thinking block,
+# the replies before it without.
+QWEN3_TEMPLATE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_turns_are_read_as_the_template_writes_them_in_the_history(tokenizer, chat_model):
+    """Qwen3's template writes the last reply otherwise than the replies before it (with an empty thinking block), and
+    every Qwen3 tokenizer was refused as 'not writing a conversation as a sequence of turns'. The turns are read as the
+    template writes them once the next message follows; a template that rewrites what it wrote before is refused."""
+    qwen3 = copy.deepcopy(tokenizer)
+    qwen3.chat_template = QWEN3_TEMPLATE
+    assert TurnFormat.of(qwen3) == TurnFormat.of(tokenizer)
+    session = ChatSession(chat_model, qwen3, max_new_tokens=3)
+    exchange = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    written = qwen3.apply_chat_template(
+        [*exchange, {"role": "user", "content": "Bye"}], tokenize=False, add_generation_prompt=True
+    )
+    written = qwen3(written, add_special_tokens=False)["input_ids"]
+    reply = qwen3("Hello", add_special_tokens=False)["input_ids"] + session._ids("<|im_end|>\n")
+    turns = session.prompt_ids("Hi") + reply + session.prompt_ids("Bye")
+    assert written[len(written) - len(turns) :] == turns
+    session.turn("Hi")
+    thinking = copy.deepcopy(qwen3)  # DeepSeek-R1's rule too: the generation prompt opens a thinking block
+    thinking.chat_template = QWEN3_TEMPLATE.replace(
+        "'<|im_start|>assistant\n' }}{% endif %}", "'<|im_start|>assistant\n<think>\n' }}{% endif %}"
+    )
+    assert TurnFormat.of(thinking).after_message == "<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    rewriting = copy.deepcopy(tokenizer)  # an end of text after the whole conversation, wherever it ends
+    rewriting.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}<|endoftext|>"
+    )
+    with pytest.raises(ValueError, match="does not write a conversation as a sequence of turns"):
+        TurnFormat.of(rewriting)
+
+
 LLAMA_2_TEMPLATE = (  # Llama 2 chat's template (its alternation check left out): a reply is " " + content + " " + eos
     "{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}"

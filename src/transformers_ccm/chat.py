@@ -53,28 +53,36 @@ class TurnFormat:
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnFormat:
-        """Read the format from `tokenizer.apply_chat_template` (the difference between renderings of one and
-        two exchanges)."""
+        """Read the format from `tokenizer.apply_chat_template`: how it writes an exchange once the next message
+        follows (Qwen3 writes the last reply otherwise, with an empty thinking block), and how it ends a reply."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"{type(tokenizer).__name__} has no chat template; chat needs an instruction-tuned model's "
                 "tokenizer (or set tokenizer.chat_template)."
             )
 
-        def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        def render(roles: str, generation_prompt: bool) -> str:
+            """The conversation of one message per role in `roles` ("u": user, "a": assistant), each the sentinel."""
+            messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-        exchange = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
-        earlier = render(exchange, False)
-        with_turn = render([*exchange, {"role": "user", "content": _SENTINEL}], True)
-        closed = render([exchange[0], {"role": "assistant", "content": _SENTINEL}], False)
-        if not with_turn.startswith(earlier) or _SENTINEL not in closed:
+        with_turn, history = render("uau", True), render("uau", False)
+        pieces = with_turn.split(_SENTINEL)  # system prompt and before, after, end of reply and before, after
+        end_of_reply = render("ua", False).split(_SENTINEL)[-1]
+        # A turn is only ever appended: refused where the template writes the messages before otherwise once a reply
+        # or a generation prompt follows (an end of text after the whole conversation, say).
+        appended = (
+            len(pieces) == 4
+            and pieces[2].startswith(end_of_reply)
+            and with_turn.startswith(history)
+            and render("uaua", False).startswith(history)
+        )
+        if not appended:
             raise ValueError(
                 "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
                 "be used with compressed memory."
             )
-        before, after = with_turn[len(earlier) :].split(_SENTINEL)
-        return cls(before, after, closed.split(_SENTINEL, 1)[1])
+        return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply)
 
 
 @dataclass
