@@ -64,8 +64,9 @@ QWEN3_TEMPLATE = (
 
 def test_turns_are_read_as_the_template_writes_them_in_the_history(tokenizer, chat_model):
     """Qwen3's template writes the last reply otherwise than the replies before it (with an empty thinking block), and
-    every Qwen3 tokenizer was refused as 'not writing a conversation as a sequence of turns'. The turns are read as the
-    template writes them once the next message follows; a template that rewrites what it wrote before is refused."""
+    Phi-3's ends a conversation without a generation prompt with the end of text: every Qwen3 and Phi-3 tokenizer was
+    refused as 'not writing a conversation as a sequence of turns'. The turns are read as the template writes them
+    once the next message follows; a template that rewrites what it wrote before is refused."""
     qwen3 = copy.deepcopy(tokenizer)
     qwen3.chat_template = QWEN3_TEMPLATE
     assert TurnFormat.of(qwen3) == TurnFormat.of(tokenizer)
@@ -84,6 +85,12 @@ def test_turns_are_read_as_the_template_writes_them_in_the_history(tokenizer, ch
         "'<|im_start|>assistant\n' }}{% endif %}", "'<|im_start|>assistant\n<think>\n' }}{% endif %}"
     )
     assert TurnFormat.of(thinking).after_message == "<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    phi3 = copy.deepcopy(tokenizer)  # Phi-3's rule: the end of text after a conversation without a generation prompt
+    phi3.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+    )
+    assert TurnFormat.of(phi3) == TurnFormat("<|user|>\n", "<|end|>\n<|assistant|>\n", "<|end|>\n")
     rewriting = copy.deepcopy(tokenizer)  # an end of text after the whole conversation, wherever it ends
     rewriting.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"

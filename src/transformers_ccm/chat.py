@@ -66,23 +66,30 @@ class TurnFormat:
             messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-        with_turn, history = render("uau", True), render("uau", False)
+        with_turn = render("uau", True)
         pieces = with_turn.split(_SENTINEL)  # system prompt and before, after, end of reply and before, after
-        end_of_reply = render("ua", False).split(_SENTINEL)[-1]
-        # A turn is only ever appended: refused where the template writes the messages before otherwise once a reply
-        # or a generation prompt follows (an end of text after the whole conversation, say).
-        appended = (
-            len(pieces) == 4
-            and pieces[2].startswith(end_of_reply)
-            and with_turn.startswith(history)
-            and render("uaua", False).startswith(history)
-        )
-        if not appended:
-            raise ValueError(
-                "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
-                "be used with compressed memory."
+        written = [render(roles, False) for roles in ("ua", "uau", "uaua")]
+        # Some templates end a conversation without a generation prompt with a special token no turn holds (Phi-3:
+        # the end of text); it is left out of each.
+        endings = [ending for ending in tokenizer.all_special_tokens if all(text.endswith(ending) for text in written)]
+        for ending in ["", *endings]:
+            exchange, history, longer = (text[: len(text) - len(ending)] for text in written)
+            end_of_reply = exchange.split(_SENTINEL)[-1]
+            # A turn is only ever appended: refused where the template writes the messages before otherwise once a
+            # reply or a generation prompt follows (an end of text after the whole conversation, say).
+            appended = (
+                len(pieces) == 4
+                and pieces[2].startswith(end_of_reply)
+                and with_turn.startswith(history)
+                and longer.startswith(history)
+                and not (ending and with_turn.endswith(ending))
             )
-        return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply)
+            if appended:
+                return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply)
+        raise ValueError(
+            "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
+            "be used with compressed memory."
+        )
 
 
 @dataclass
