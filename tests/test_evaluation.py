@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from statistics import NormalDist
 
 import pytest
 import torch
@@ -52,6 +53,23 @@ def test_wilson_interval_known_values_and_bounds():
     assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
     with pytest.raises(ValueError, match="at least one sample"):
         wilson_interval(0, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 5000), data=st.data())
+def test_wilson_interval_matches_the_roots_of_its_quadratic(total, data):
+    """Wilson's interval is where `(share - p)^2 <= z^2 p (1 - p) / total`: the roots of a quadratic in p, computed
+    here apart, at any (also fractional) credit; it holds the share itself, exactly 0 at none and 1 at all right
+    (rounding gave 0.9999999999999999 above a share of 1, and 8.7e-19 below a share of 0)."""
+    correct = data.draw(st.one_of(st.sampled_from([0, total]), st.integers(0, total), st.floats(0, total)))
+    z = NormalDist().inv_cdf(0.975)
+    share, a = correct / total, 1 + z * z / total
+    b = 2 * share + z * z / total
+    root = math.sqrt(b * b - 4 * a * share * share)
+    low, high = wilson_interval(correct, total)
+    assert (low, high) == pytest.approx(((b - root) / (2 * a), (b + root) / (2 * a)), abs=1e-12)
+    assert 0 <= low <= share <= high <= 1
+    assert (low == 0 or correct > 0) and (high == 1 or correct < total)
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5, 0.83])

@@ -62,7 +62,9 @@ def wilson_interval(correct: float, total: int, z: float = Z_95) -> tuple[float,
     share = correct / total
     centre = (share + z * z / (2 * total)) / (1 + z * z / total)
     half = z / (1 + z * z / total) * math.sqrt(share * (1 - share) / total + z * z / (4 * total * total))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval always holds the share (its bound is exactly 0 at none right, 1 at all right); rounding left 0 or
+    # 1 a hair outside it (a high of 0.9999999999999999 below a value of 1).
+    return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))
 
 
 def _resamples(count: int, seed: int = 0) -> torch.Tensor:
