@@ -576,6 +576,20 @@ def test_a_report_whose_files_fail_to_rename_keeps_every_file_of_the_earlier_rep
     capsys.readouterr()
 
 
+def test_eval_add_to_refuses_a_report_whose_rows_hold_other_samples(tmp_path, capsys):
+    """A report joined by hand from two runs (its adapter's row of other samples): the new adapter was paired with
+    rows it shares no sample with."""
+    rows = _report_rows(samples_digest="0123456789abcdef")
+    rows[-1]["samples_digest"] = "fedcba9876543210"
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
+    arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--add-to", str(tmp_path / "report")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "icl (seen, t=2): its methods were scored on different samples" in error
+
+
 def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
     train(tiny_model, tmp_path / "full", 2, "--method", "full-context", "--supervision", "dense")
     config = json.loads((tmp_path / "full" / "ccm_config.json").read_text())

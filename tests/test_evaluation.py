@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 from statistics import NormalDist
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm.cli import _samples_digest
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
     FINETUNED,
@@ -346,6 +348,27 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
     without_tuned = summarize([r for r in results if r["method"] != FINETUNED])
     assert all(row[FINETUNED] is None and row["gain_recovered_finetuned"] is None for row in without_tuned)
     assert "| - | " in markdown(results, without_tuned)
+
+
+def test_summary_refuses_rows_of_other_samples(ccm, tokenizer):
+    """Gain recovered and paired differences pair the rows of a sample set sample by sample: a row of other samples
+    (of the same count, from another report joined by hand) was paired all the same, as was a row twice."""
+    drawn = [make_samples("icl", "test", 6, seed=seed, steps=1) for seed in (0, 1)]
+
+    def row(method: str, name: str, samples: list, metric: str = "accuracy") -> dict:
+        score = score_samples(ccm, tokenizer, samples, method, metric).to_dict()
+        return {"task": "icl", "wordings": "seen", **score, "method": name, "samples_digest": _samples_digest(samples)}
+
+    baselines = [row("no_context", "no_context", drawn[0]), row("full_context", "full_context", drawn[0])]
+    assert len(summarize([*baselines, row("ccm", "ccm-concat", drawn[0])])) == 1
+    for other, problem in (
+        (row("ccm", "ccm-concat", drawn[1]), "2 sample digests"),
+        (row("ccm", "ccm-concat", drawn[0][:5]), "(5, 'accuracy'), (6, 'accuracy')"),
+        (row("ccm", "ccm-concat", drawn[0], "perplexity"), "(6, 'accuracy'), (6, 'perplexity')"),
+        (baselines[1], "['full_context'] more than once"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            summarize([*baselines, row("ccm", "ccm-merge", drawn[0]), other])
 
 
 @pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])

@@ -357,11 +357,35 @@ def _gain(no_context: Row, full_context: Row, ccm: Row) -> Row:
     return {"value": value, "interval": list(interval)}
 
 
+def _check_paired(results: Sequence[Row]) -> None:
+    """Raise unless the rows of each task, wording set and time step score one method each, on the same samples
+    (count, metric and, where rows carry one, samples digest): gains and paired differences pair them sample by
+    sample, and a row of other samples (two reports joined by hand) was paired all the same."""
+    sets: dict[tuple[str, str, int], list[Row]] = {}
+    for row in results:
+        sets.setdefault((str(row["task"]), str(row["wordings"]), int(row["steps"])), []).append(row)
+    for (task, wordings, steps), rows in sets.items():
+        methods = [str(row["method"]) for row in rows]
+        twice = sorted({method for method in methods if methods.count(method) > 1})
+        scored = {(row["samples"], row["metric"]) for row in rows}
+        digests = {row["samples_digest"] for row in rows if "samples_digest" in row}
+        where = f"{task} ({wordings}, t={steps})"
+        if twice:
+            raise ValueError(f"{where} holds {twice} more than once; keep one row per method.")
+        if len(scored) > 1 or len(digests) > 1:
+            raise ValueError(
+                f"{where}: its methods were scored on different samples (samples and metric {sorted(scored, key=str)}, "
+                f"{len(digests)} sample digests), and are compared sample by sample; join only reports of the same "
+                "samples."
+            )
+
+
 def summarize(results: Sequence[Row]) -> list[Row]:
     """Per task, wording set and CCM method, at the task's largest time step: the scores with their 95%
     intervals, the gain recovered against the base model with full context and, when scored, against the
     fine-tuned full-context adapter, the KV memory ratio and, for every CCM method after the first one scored,
     its paired difference from that first one (`versus_first`)."""
+    _check_paired(results)
     rows: list[Row] = []
     groups = sorted(
         {(str(r["task"]), str(r["wordings"])) for r in results}, key=lambda g: (g[0], WORDING_ORDER.index(g[1]))
