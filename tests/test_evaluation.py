@@ -22,6 +22,7 @@ from transformers_ccm.evaluation import (
     gain_recovered,
     gain_recovered_interval,
     gain_text,
+    kv_bytes_per_token,
     markdown,
     plot,
     report_json,
@@ -348,6 +349,33 @@ def test_summary_reports_seen_and_unseen_wordings_against_both_baselines(ccm, to
     without_tuned = summarize([r for r in results if r["method"] != FINETUNED])
     assert all(row[FINETUNED] is None and row["gain_recovered_finetuned"] is None for row in without_tuned)
     assert "| - | " in markdown(results, without_tuned)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    update=st.sampled_from(["concat", "merge"]),
+    batch_size=st.integers(1, 5),
+    method=st.sampled_from(["no_context", "full_context", "ccm"]),
+)
+def test_peak_kv_is_the_most_any_forward_held(tokenizer, update, batch_size, method):
+    """The peak KV a method reports is the longest key/value length any forward of a sample left in its cache,
+    measured on the cache of each sample scored alone: for CCM the compression of a long context (memory, context
+    and <COMP> block at once) was left out, and a dialogue's peak read 33 slots where 50 were held."""
+    model = _model(tokenizer, seed=1, num_comp_tokens=2, update=update)
+    samples = make_samples("dialogue", "test", 5, seed=0, steps=3)
+    held: list[int] = []
+    hook = model.base_model.register_forward_hook(
+        lambda _, __, out: held.append(out.past_key_values.layers[0].keys.shape[-2])
+    )
+    alone = []
+    for sample in samples:
+        held.clear()
+        score_samples(model, tokenizer, [sample], method, "perplexity")
+        alone.append(max(held))
+    hook.remove()
+    score = score_samples(model, tokenizer, samples, method, "perplexity", batch_size=batch_size)
+    assert score.peak_kv_tokens == max(alone)
+    assert score.peak_kv_bytes == max(alone) * kv_bytes_per_token(model)
 
 
 def test_summary_refuses_rows_of_other_samples(ccm, tokenizer):

@@ -42,7 +42,9 @@ class MethodScore:
     low: float
     high: float
     context_kv_tokens: float  # mean KV slots that hold the context (tokens, or <COMP> slots for CCM)
-    peak_kv_tokens: int  # the most KV slots any sample needed (context + input + output)
+    # the most KV slots any sample needed: context (none for no context) + input + output; for CCM also memory +
+    # context + <COMP> block while compressing, which a long context makes the peak
+    peak_kv_tokens: int
     peak_kv_bytes: int
     samples: int
     # per sample (numerator, denominator) of the value: (credit, 1) for accuracy (1 right, 0 wrong, 1/k when the
@@ -219,6 +221,16 @@ def score_samples(
             for step in range(max(len(c) for c in contexts)):
                 ids, mask = _right_pad([c[step] if step < len(c) else [pad] for c in contexts], pad)
                 present = torch.tensor([step < len(c) for c in contexts])
+                # The compression forward holds a row's memory, its context and the <COMP> block at once.
+                held = cache.memory_mask.sum(-1).tolist()
+                peak = max(
+                    [peak]
+                    + [
+                        held[row] + len(c[step]) + model.config.num_comp_tokens
+                        for row, c in enumerate(contexts)
+                        if step < len(c)
+                    ]
+                )
                 model.compress(
                     cache, ids.to(model.device), attention_mask=(mask.bool() & present[:, None]).to(model.device)
                 )
