@@ -511,6 +511,8 @@ def _report_rows(**changes: object) -> list[dict]:
         ({"steps": 0}, "must be integers >= 1"),
         ({"steps": 400}, "400 contexts per sample, 40.0 full-context tokens"),
         ({"context_kv_tokens": 0}, "ZeroDivisionError"),
+        ({"context_kv_tokens": 70.0}, "2 contexts per sample, 70.0 full-context tokens, of at most 60"),
+        ({"peak_kv_tokens": 1.5}, "of at most 1.5"),
     ],
 )
 def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, capsys, changes, problem):
@@ -574,6 +576,22 @@ def test_a_report_whose_files_fail_to_rename_keeps_every_file_of_the_earlier_rep
         assert {path.name: path.read_bytes() for path in report.iterdir()} == before
     assert stream_eval(tiny_model, adapter, report, "--tokens", "60")["tokens"] == 60
     capsys.readouterr()
+
+
+def test_eval_add_to_refuses_full_contexts_past_the_models_positions_before_drawing(
+    tiny_model, adapter, tmp_path, capsys
+):
+    """A report claiming ten million contexts per sample, its full context as many tokens and more: consistent in
+    itself, it was drawn again for hours; the base model (2048 positions) never ran a prompt of that length."""
+    rows = _report_rows(steps=10**7, context_kv_tokens=2e7, peak_kv_tokens=3 * 10**7)
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--add-to", str(tmp_path / "report")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "icl (seen, t=10000000) held full contexts of 30000000 tokens" in error
+    assert "past the 2048 positions of the base model" in error and not (tmp_path / "out").exists()
 
 
 def test_eval_add_to_refuses_a_report_whose_rows_hold_other_samples(tmp_path, capsys):

@@ -370,9 +370,13 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
     ]
 
 
-def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], list[SampleSet]]:
-    """The result rows of the `ccm eval` report in `folder` and its sample sets, drawn again as that run drew them
-    (same task, wording set, time step and count, with `args.seed`) for `ccm eval --add-to`."""
+# (task, wording set, time step, count, longest full-context prompt in tokens) of a report's sample set
+Drawn = tuple[str, str, int, int, int]
+
+
+def _earlier_report(folder: str) -> tuple[list[dict], list[Drawn]]:
+    """The result rows of the `ccm eval` report in `folder` and what its sample sets drew, checked, for
+    `ccm eval --add-to`."""
     from pathlib import Path
 
     from transformers_ccm.evaluation import summarize
@@ -384,11 +388,7 @@ def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], 
     try:
         rows = parse_json(path.read_bytes(), str(path), "score anew without --add-to.")["results"]
         summarize(rows)  # reads every field the joint report needs
-        held = {
-            (r["task"], r["wordings"], r["steps"]): r["context_kv_tokens"]
-            for r in rows
-            if r["method"] == "full_context"
-        }
+        held = {(r["task"], r["wordings"], r["steps"]): r for r in rows if r["method"] == "full_context"}
         drawn = [
             _drawn(r, held.get((r["task"], r["wordings"], r["steps"]))) for r in rows if r["method"] == "no_context"
         ]
@@ -396,26 +396,50 @@ def _earlier_report(folder: str, args: argparse.Namespace) -> tuple[list[dict], 
         raise ValueError(f"--add-to {folder}: {path} is not a ccm eval report ({error!r}).") from None
     if not drawn:
         raise ValueError(f"--add-to {folder}: {path} holds no scored samples; run ccm eval without --add-to.")
+    return rows, drawn
+
+
+def _draw_again(drawn: list[Drawn], model: CCMForCausalLM, seed: int, folder: str) -> list[SampleSet]:
+    """The sample sets of a report (`drawn` as `_earlier_report` gives them), drawn again as its run drew them
+    (same task, wording set, time step and count, with `seed`), once its full-context prompts were found to fit
+    `model`'s positions: a report claiming ten million contexts per sample (and as many tokens) was drawn for
+    hours before anything could tell it apart from the real one."""
+    config = model.base_model.config.get_text_config(decoder=True)
+    limit = model.absolute_position_limit or getattr(config, "max_position_embeddings", None)
+    # ccm eval ran each full-context prompt whole through the base, at positions 0 .. its length - 1
+    for task, wordings, steps, _, peak in drawn:
+        if limit is not None and peak > limit:
+            raise ValueError(
+                f"--add-to {folder}: {task} ({wordings}, t={steps}) held full contexts of {peak} tokens, past the "
+                f"{limit} positions of the base model that --adapters run on; give the --model of that report, or "
+                "score every adapter anew without --add-to."
+            )
     sample_sets = []
-    for task, wordings, steps, count in drawn:
-        again = argparse.Namespace(samples=count, seed=args.seed, steps=[steps])
+    for task, wordings, steps, count, _ in drawn:
+        again = argparse.Namespace(samples=count, seed=seed, steps=[steps])
         sample_sets += [(task, *found) for found in _evaluation_sets(task, again) if found[0] == wordings]
-    return rows, sample_sets
+    return sample_sets
 
 
-def _drawn(row: dict, context_tokens: float | None) -> tuple[str, str, int, int]:
-    """(task, wording set, time step, count) of a report's no-context row, whose full-context row held
-    `context_tokens` per sample. The count must be that of its per-sample values, and the time step at least 1 and
-    at most those tokens (every context has one), so that a damaged report cannot have samples drawn by the
-    billion, or with a million contexts each."""
+def _drawn(row: dict, full_context: dict | None) -> Drawn:
+    """(task, wording set, time step, count, full-context peak) of a report's no-context row, whose sample set's
+    full-context row is `full_context`. The count must be that of its per-sample values, and the time step at least
+    1 and at most the context tokens per sample (every context has one), themselves at most the full-context peak (a
+    prompt holds its contexts), so that a damaged report cannot have samples drawn by the billion, or with a million
+    contexts each; `_draw_again` holds that peak to the model's positions."""
     steps, count, values = row["steps"], row["samples"], row["per_sample"]
     if not (positive_int(steps) and positive_int(count)):
         raise ValueError(f"{row['task']} row: steps {steps!r} and samples {count!r} must be integers >= 1")
     if not isinstance(values, list) or count != len(values):
         raise ValueError(f"{row['task']} row: samples is {count} but it holds {len(values)} per-sample values")
-    if context_tokens is None or steps > context_tokens:
-        raise ValueError(f"{row['task']} row: {steps} contexts per sample, {context_tokens} full-context tokens")
-    return row["task"], row["wordings"], steps, count
+    if full_context is None:
+        raise ValueError(f"{row['task']} row: its samples have no full-context row")
+    context_tokens, peak = full_context["context_kv_tokens"], full_context["peak_kv_tokens"]
+    if not (positive_int(peak) and steps <= context_tokens <= peak):
+        raise ValueError(
+            f"{row['task']} row: {steps} contexts per sample, {context_tokens} full-context tokens, of at most {peak}"
+        )
+    return row["task"], row["wordings"], steps, count, peak
 
 
 def _samples_digest(samples: list[OnlineSample]) -> str:
@@ -511,7 +535,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     pyplot()
     results: list[dict] = []
     if args.add_to:
-        results, sample_sets = _earlier_report(args.add_to, args)
+        results, drawn = _earlier_report(args.add_to)
     else:
         defaults = {"tasks": _EVAL_TASKS, "samples": _EVAL_SAMPLES}
         args = argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
@@ -544,6 +568,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         )
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
+    if args.add_to:
+        sample_sets = _draw_again(drawn, reference, args.seed, args.add_to)
     baselines = (
         [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
     )
