@@ -6,6 +6,7 @@ import random
 import re
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +17,9 @@ from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
 from transformers_ccm.cli import _samples_digest
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
+    BOOTSTRAP_RESAMPLES,
     FINETUNED,
+    _resamples,
     difference_interval,
     difference_text,
     gain_recovered,
@@ -144,6 +147,63 @@ def test_difference_interval_is_paired():
     assert text == "x0.90 [0.86, 0.95] perplexity vs ccm-merge:old" and difference_text(None, "accuracy") == "-"
     with pytest.raises(ValueError, match="same samples"):
         difference_interval(first, better[:-1], "perplexity")
+
+
+def _percentiles(statistic: np.ndarray) -> tuple[float, float]:
+    return tuple(np.percentile(statistic, [2.5, 97.5]).tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(
+        # NLLs in steps of 2^-10 nats: every sum is exact, in any order, so that numpy and torch see the same ties
+        st.tuples(*[st.integers(0, 30 * 1024).map(lambda nll: nll / 1024)] * 3, st.integers(1, 9)),
+        min_size=1,
+        max_size=40,
+    ),
+    share=st.floats(-2, 2),
+)
+def test_bootstrap_intervals_match_a_numpy_reference(rows, share):
+    """Perplexity, gain recovered and paired differences, recomputed per resample in numpy (token-weighted: total
+    NLL over total tokens) on `ccm eval`'s resamples, and their percentiles; CCM a fixed share of the way from no to
+    full context on every sample (negative: below no context) recovers exactly that share in every resample."""
+    no, full, ccm = ([(row[column], row[3]) for row in rows] for column in range(3))
+    table = {name: np.array(scores) for name, scores in (("no", no), ("full", full), ("ccm", ccm))}
+
+    def log_score(name: str, index: np.ndarray) -> np.ndarray:  # minus the log-perplexity of each resample
+        return -table[name][index, 0].sum(-1) / table[name][index, 1].sum(-1)
+
+    everything = np.arange(len(rows))
+    value = math.exp(-log_score("ccm", everything))
+    assert value == pytest.approx(math.exp(sum(n for n, _ in ccm) / sum(t for _, t in ccm)))
+    low, high = value_interval(ccm, "perplexity")
+    assert (low, high) == pytest.approx(np.exp(_percentiles(-log_score("ccm", _resamples(len(rows)).numpy()))))
+    index = _resamples(len(rows), seed=2).numpy()
+    assert difference_interval(no, ccm, "perplexity") == pytest.approx(
+        _percentiles(log_score("ccm", index) - log_score("no", index)), abs=1e-12
+    )
+    index = _resamples(len(rows), seed=1).numpy()
+    gain = log_score("full", index) - log_score("no", index)
+    beats = log_score("full", everything) > log_score("no", everything)
+    # no interval where full context gains nothing on the samples, or in most resamples
+    measured = beats and (gain > 0).sum() >= BOOTSTRAP_RESAMPLES // 2
+    expected = (float("nan"),) * 2
+    if measured:
+        expected = _percentiles((log_score("ccm", index) - log_score("no", index))[gain > 0] / gain[gain > 0])
+    assert gain_recovered_interval(no, full, ccm, "perplexity") == pytest.approx(expected, nan_ok=True)
+    between = [(a + share * (b - a), t) for (a, t), (b, _) in zip(no, full, strict=True)]
+    low, high = gain_recovered_interval(no, full, between, "perplexity")
+    assert measured == (not math.isnan(low))
+    if measured:
+        assert low == pytest.approx(share, abs=1e-9) and high == pytest.approx(share, abs=1e-9)
+    values = [math.exp(-log_score(name, everything)) for name in ("no", "full")]
+    values.append(math.exp(sum(n for n, _ in between) / sum(t for _, t in between)))
+    if beats:
+        # the values are perplexities: their logarithms come back within rounding, which the gain divides
+        whole = log_score("full", everything) - log_score("no", everything)
+        assert gain_recovered(*values, "perplexity") == pytest.approx(share, abs=1e-12 / whole)
+    else:  # full context gains nothing over no context: nothing to recover
+        assert math.isnan(gain_recovered(*values, "perplexity"))
 
 
 def test_no_gain_to_recover_gives_no_interval():
