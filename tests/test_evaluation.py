@@ -2,8 +2,12 @@
 
 import json
 import math
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
@@ -27,6 +31,7 @@ from transformers_ccm.evaluation import (
     gain_text,
     kv_bytes_per_token,
     markdown,
+    paired_difference,
     plot,
     report_json,
     score_samples,
@@ -204,6 +209,44 @@ def test_bootstrap_intervals_match_a_numpy_reference(rows, share):
         assert gain_recovered(*values, "perplexity") == pytest.approx(share, abs=1e-12 / whole)
     else:  # full context gains nothing over no context: nothing to recover
         assert math.isnan(gain_recovered(*values, "perplexity"))
+
+
+def _pooled_pair(*arguments: str) -> subprocess.CompletedProcess:
+    script = Path(__file__).parents[1] / "docs" / "results" / "scripts" / "pooled_pair.py"
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, env=environment)
+
+
+def test_pooled_pair_pairs_each_sample_set_whatever_the_order_of_its_rows(tmp_path):
+    """docs/results/scripts/pooled_pair.py: an adapter's rows written in another order of sample sets (one added
+    with --add-to after a report of two wording sets, say) were concatenated as they came, pairing the samples of
+    one set with those of another."""
+    rng = random.Random(0)
+    scores = {}
+    for wordings in ("seen", "unseen"):
+        first = [(rng.uniform(5, 40), rng.randint(4, 12)) for _ in range(30)]
+        scores[wordings] = first, [(nll - 0.2 * tokens + rng.uniform(-1, 1), tokens) for nll, tokens in first]
+
+    def row(wordings: str, method: str, metric: str = "perplexity") -> dict:
+        per_sample = scores[wordings][method == "ccm-concat:b"]
+        return dict(task="dialogue", wordings=wordings, steps=4, method=method, metric=metric, samples=30) | {
+            "per_sample": per_sample
+        }
+
+    rows = [row("seen", "ccm-concat:a"), row("unseen", "ccm-concat:a")]
+    rows += [row("unseen", "ccm-concat:b"), row("seen", "ccm-concat:b")]
+    (tmp_path / "eval.json").write_text(json.dumps({"results": rows}))
+    first, second = ([*scores["seen"][side], *scores["unseen"][side]] for side in (0, 1))
+    expected = paired_difference({"method": "ccm-concat:a", "per_sample": first}, {**rows[-1], "per_sample": second})
+    run = _pooled_pair("a", "b", str(tmp_path / "eval.json"))
+    assert run.stdout == f"60 samples: {difference_text(expected, 'perplexity')}\n"
+    mixed = [rows[0], rows[-1], row("unseen", "ccm-concat:a", "accuracy"), row("unseen", "ccm-concat:b", "accuracy")]
+    (tmp_path / "mixed.json").write_text(json.dumps({"results": mixed}))
+    run = _pooled_pair("a", "b", str(tmp_path / "mixed.json"))
+    assert run.returncode == 1 and "is scored by accuracy, not perplexity; pool one metric" in run.stderr
+    (tmp_path / "one.json").write_text(json.dumps({"results": rows[:3]}))
+    run = _pooled_pair("a", "b", str(tmp_path / "one.json"))
+    assert run.returncode == 1 and "were not scored on the same sample sets" in run.stderr
 
 
 def test_no_gain_to_recover_gives_no_interval():
