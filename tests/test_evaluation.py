@@ -481,6 +481,18 @@ def test_peak_kv_is_the_most_any_forward_held(tokenizer, update, batch_size, met
     assert score.peak_kv_bytes == max(alone) * kv_bytes_per_token(model)
 
 
+@pytest.mark.parametrize("cast", ["model", "base model"])
+def test_kv_bytes_per_token_are_those_a_forward_keeps(tokenizer, cast):
+    """The bytes one token's keys and values take, measured on the cache of a forward: with the base model cast
+    to bfloat16 alone (the <COMP> embeddings stay float32, and are cast at each use), they were counted twice over."""
+    model = _model(tokenizer, seed=1)
+    (model if cast == "model" else model.base_model).to(torch.bfloat16)
+    with torch.no_grad():
+        cache = model.base_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True).past_key_values
+    kept = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert kv_bytes_per_token(model) * 3 == kept
+
+
 def test_summary_refuses_rows_of_other_samples(ccm, tokenizer):
     """Gain recovered and paired differences pair the rows of a sample set sample by sample: a row of other samples
     (of the same count, from another report joined by hand) was paired all the same, as was a row twice."""

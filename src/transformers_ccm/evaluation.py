@@ -99,7 +99,8 @@ def kv_bytes_per_token(model: CCMForCausalLM) -> int:
     config = model.base_model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * model.comp_embeddings.element_size()
+    # the base model's dtype, which keys and values take (<COMP> embeddings are cast to it, whatever theirs)
+    return 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
 def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
