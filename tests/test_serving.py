@@ -606,6 +606,16 @@ def test_a_call_during_which_another_thread_changes_the_model_fails_and_changes_
     assert changed and _saved_bytes(cache, tmp_path / "after.safetensors") == before
 
 
+def _two_users(streaming: bool) -> CompressedMemoryCache:
+    """A cache of two users with memory: compressed turns, or a stream past its first compression."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    if not streaming:
+        return _filled(model)
+    cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
+    model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
+    return cache
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize(
     "operation",
@@ -619,14 +629,7 @@ def test_a_call_during_which_another_thread_changes_the_model_fails_and_changes_
 def test_a_batch_operation_that_keeps_no_row_is_refused(tmp_path, operation, streaming):
     """It left a cache of no row: its saved file was refused by load ('Save the memory again'), and every call
     on it failed inside torch."""
-    from transformers_ccm.streaming import StreamingConfig
-
-    model = tiny_ccm("llama", num_comp_tokens=2)
-    if streaming:
-        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
-        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _two_users(streaming)
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
     with pytest.raises(ValueError, match="would leave the cache no row"):
         operation(cache)
@@ -639,14 +642,7 @@ def test_a_batch_operation_that_keeps_no_row_is_refused(tmp_path, operation, str
 def test_a_batch_operation_given_indices_that_are_no_list_of_rows_is_refused(tmp_path, select, index, streaming):
     """batch_select_indices failed with a bare IndexError from inside the cache ('tuple index out of range') given a 0-d
     index, and given a 2-D one left rows of two dimensions, on which every later call failed inside torch."""
-    from transformers_ccm.streaming import StreamingConfig
-
-    model = tiny_ccm("llama", num_comp_tokens=2)
-    if streaming:
-        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
-        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _two_users(streaming)
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
     with pytest.raises(ValueError, match=r"takes a 1-D tensor of row indices, such as torch\.tensor\(\[2, 0\]\)"):
         getattr(cache, select)(index)
@@ -669,14 +665,7 @@ def test_a_batch_operation_given_indices_that_are_no_list_of_rows_is_refused(tmp
 def test_a_batch_operation_given_indices_of_another_dtype_is_refused(tmp_path, select, dtype, streaming):
     """uint8 indices selected the rows of a mask (torch.tensor([0, 1], dtype=torch.uint8) kept row 1 alone), and
     indices of other dtypes failed inside torch; a bool mask is for batch_select_indices only."""
-    from transformers_ccm.streaming import StreamingConfig
-
-    model = tiny_ccm("llama", num_comp_tokens=2)
-    if streaming:
-        cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
-        model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _two_users(streaming)
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
     with pytest.raises(TypeError, match=rf"takes row indices of dtype torch.int64 or torch.int32.* got dtype {dtype}"):
         getattr(cache, select)(torch.tensor([0, 1]).to(dtype))
