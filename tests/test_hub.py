@@ -4,13 +4,16 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import ClassVar
 
+import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import RepoUrl
@@ -256,6 +259,76 @@ def test_load_by_repo_id_from_hub_cache_offline_with_revision_pinning(tmp_path, 
             expected = model(input_ids=PROMPT, past_key_values=cache_).logits.flatten()
         assert loaded["update"] == update
         torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, atol=1e-6, rtol=0)
+
+
+@contextmanager
+def _hub_that_answers_nothing():
+    """A Hub endpoint on this machine that closes every connection without an answer, and the list of the request
+    lines (such as `GET /api/models/acme/tiny-ccm ...`) it was sent."""
+    server = socket.create_server(("127.0.0.1", 0))
+    requests = []
+
+    def serve():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:  # shut down at the end
+                return
+            with connection:
+                requests.append(connection.recv(65536).decode("latin-1").split("\r\n", 1)[0])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", requests
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way, which a close alone leaves blocked
+        server.close()
+        thread.join()
+
+
+def test_local_files_only_and_subfolder_apply_to_the_adapter_as_in_peft(tmp_path, base_folder, monkeypatch):
+    """Both went to the base model only: `local_files_only` asked the Hub for the adapter all the same (and failed
+    with a Hub that cannot answer), `subfolder` made the base model load from its own subfolder and the adapter
+    load from the repo's top."""
+    cache = tmp_path / "hub"
+    top, inner = _adapter("acme/tiny-llama", seed=5), _adapter("acme/tiny-llama", seed=6, update="merge")
+    top.save_pretrained(tmp_path / "repo")
+    inner.save_pretrained(tmp_path / "repo" / "adapters" / "merge")
+    _hub_cache_repo(cache, "acme/tiny-ccm", "a" * 40, tmp_path / "repo")
+    with _hub_that_answers_nothing() as (endpoint, requests):
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        for subfolder, expected in ((None, top), ("adapters/merge", inner), ("./adapters//merge/", inner)):
+            loaded = CCMForCausalLM.from_pretrained(
+                "acme/tiny-ccm", tiny_base("llama"), cache_dir=cache, local_files_only=True, subfolder=subfolder
+            )
+            assert loaded.memory_signature() == expected.memory_signature()
+            target = _adapter("acme/tiny-llama", seed=9)
+            target.load_adapter("acme/tiny-ccm", cache_dir=cache, local_files_only=True, subfolder=subfolder)
+            assert target.memory_signature() == expected.memory_signature()
+        assert not [line for line in requests if "tiny-ccm" in line]
+        # Without local_files_only the adapter is looked up on the Hub, which hangs up here.
+        with pytest.raises(Exception, match="disconnected without sending a response"):
+            CCMForCausalLM.from_pretrained("acme/tiny-ccm", tiny_base("llama"), cache_dir=cache)
+        assert [line for line in requests if "tiny-ccm" in line]
+    local = CCMForCausalLM.from_pretrained(tmp_path / "repo", subfolder="adapters/merge", base_model=base_folder)
+    assert local.memory_signature() == inner.memory_signature()
+
+
+@pytest.mark.parametrize(
+    ("subfolder", "error", "message"),
+    [
+        ("adapters/concat", FileNotFoundError, "has no folder 'adapters/concat'; pass the subfolder"),
+        ("../repo", ValueError, "leads out of the adapter's repo or folder"),
+        ("adapters/../../repo", ValueError, "leads out of the adapter's repo or folder"),
+        ("/etc", ValueError, "leads out of the adapter's repo or folder"),
+        (3, TypeError, "subfolder must be a string"),
+    ],
+)
+def test_a_subfolder_that_is_not_there_or_leads_out_is_refused_naming_it(tmp_path, subfolder, error, message):
+    tiny_ccm("llama").save_pretrained(tmp_path / "repo" / "adapters" / "merge")
+    with pytest.raises(error, match=re.escape(message)):
+        resolve_adapter(tmp_path / "repo", subfolder=subfolder)
 
 
 class FakeHfApi:

@@ -175,29 +175,58 @@ def resolve_adapter(
     revision: str | None = None,
     token: str | bool | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    subfolder: str | None = None,
+    local_files_only: bool = False,
 ) -> Path:
     """A local folder holding the adapter: a shipped adapter (`ccm:<name>`), `name_or_path` itself, or its Hub
-    snapshot (downloaded or cached)."""
+    snapshot (downloaded or cached; with `local_files_only`, cached only), or their `subfolder` (as PEFT reads it)."""
     name = os.fspath(name_or_path)
+    inside = _subfolder_parts(subfolder)
     if name.startswith(SHIPPED_PREFIX):
         # A shipped name is one of the package's adapter folders, never a path that could lead elsewhere.
         if name not in shipped_adapters():
             raise FileNotFoundError(f"No shipped adapter {name!r}; shipped: {shipped_adapters()}.")
-        return SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
-    if os.path.isdir(name):  # not `Path(name).is_dir()`: Path("") is the working folder
-        return Path(name)
-    check_local_or_hub(name, "give an adapter's folder, its Hub id or ccm:<name>.")
-    try:
-        folder = snapshot_download(
-            str(name_or_path),
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            allow_patterns=list(ADAPTER_FILES),
+        folder = SHIPPED_FOLDER / name.removeprefix(SHIPPED_PREFIX)
+    elif os.path.isdir(name):  # not `Path(name).is_dir()`: Path("") is the working folder
+        folder = Path(name)
+    else:
+        check_local_or_hub(name, "give an adapter's folder, its Hub id or ccm:<name>.")
+        try:
+            folder = Path(
+                snapshot_download(
+                    name,
+                    revision=revision,
+                    token=token,
+                    cache_dir=cache_dir,
+                    local_files_only=local_files_only,
+                    allow_patterns=["/".join((*inside, file)) for file in ADAPTER_FILES],
+                )
+            )
+        except HFValidationError:
+            raise FileNotFoundError(f"{name_or_path} is neither a local folder nor a valid Hub repo id.") from None
+    if not inside:
+        return folder
+    if not folder.joinpath(*inside).is_dir():
+        raise FileNotFoundError(
+            f"{name_or_path} has no folder {subfolder!r}; pass the subfolder that holds the adapter."
         )
-    except HFValidationError:
-        raise FileNotFoundError(f"{name_or_path} is neither a local folder nor a valid Hub repo id.") from None
-    return Path(folder)
+    return folder.joinpath(*inside)
+
+
+def _subfolder_parts(subfolder: object) -> tuple[str, ...]:
+    """The names of the folders on the path `subfolder` (None or "": none). Raise a ValueError unless it stays inside
+    the repo or folder it is taken from."""
+    if subfolder is None:
+        return ()
+    if not isinstance(subfolder, str):
+        raise TypeError(f"subfolder must be a string such as 'adapters/concat', not a {type(subfolder).__name__}.")
+    parts = tuple(part for part in subfolder.replace("\\", "/").split("/") if part not in ("", "."))
+    if subfolder.startswith(("/", "\\")) or os.path.isabs(subfolder) or ".." in parts:
+        raise ValueError(
+            f"subfolder={subfolder!r} leads out of the adapter's repo or folder; give a path inside it, such as "
+            "'adapters/concat'."
+        )
+    return parts
 
 
 def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
@@ -255,10 +284,13 @@ def _read_tensors(path: Path, content: bytes) -> dict[str, torch.Tensor]:
 
 def _check_links(folder: Path) -> None:
     """Raise unless each file of the adapter in `folder` that is a link leads inside the folder, or, for a Hub cache
-    snapshot (`.../snapshots/<revision>`), inside its cached repository, whose `blobs` the snapshot links to. A
-    crafted folder's links made a load read any file on the machine (a JSON one named its keys in the error)."""
+    snapshot (`.../snapshots/<revision>`) or a folder in one, inside its cached repository, whose `blobs` the
+    snapshot links to. A crafted folder's links made a load read any file on the machine (a JSON one named its keys
+    in the error)."""
     real = folder.resolve()
-    root = real.parent.parent if real.parent.name == "snapshots" else real
+    # A subfolder of a snapshot (`subfolder=`) links into the same blobs.
+    snapshot = next((path for path in (real, *real.parents) if path.parent.name == "snapshots"), None)
+    root = real if snapshot is None else snapshot.parent.parent
     for name in (*VERIFIED_FILES, MANIFEST_NAME):
         path = folder / name
         # A link to no regular file (a device, a broken link) is never read: the checks of each file name it.

@@ -110,15 +110,26 @@ class AdapterHubMixin:
         torch_dtype: torch.dtype | str | None = None,
         device_map: str | dict[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        subfolder: str | None = None,
+        local_files_only: bool = False,
         **base_kwargs: Any,
     ) -> Self:
         """Load an adapter from a local folder or a Hub repo, with its base model.
 
         The base model is the one named in `ccm_config.json` (at its recorded revision) unless `base_model`
         (a path, Hub id or loaded model) is given. Its architecture and sizes are checked against the adapter
-        before any weight is loaded. `base_kwargs` go to the base model's `from_pretrained`.
+        before any weight is loaded. `base_kwargs` go to the base model's `from_pretrained`. As in PEFT, `subfolder` is
+        the adapter's folder inside `name_or_path`, and `local_files_only` reads the adapter (and the base model)
+        from the Hub cache only.
         """
-        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
+        folder = resolve_adapter(
+            name_or_path,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            subfolder=subfolder,
+            local_files_only=local_files_only,
+        )
         config, tensors = read_adapter(folder)
         if isinstance(base_model, PreTrainedModel):
             if torch_dtype is not None or device_map is not None or base_kwargs:
@@ -134,6 +145,7 @@ class AdapterHubMixin:
                 "revision": config.base_model_revision if base_model is None else None,
                 "token": token,
                 "cache_dir": cache_dir,
+                "local_files_only": local_files_only or None,
             }
             options = {key: value for key, value in options.items() if value is not None}
             try:
@@ -168,6 +180,8 @@ class AdapterHubMixin:
         cache_dir: str | os.PathLike[str] | None = None,
         resize_comp_tokens: bool = False,
         extend_targets: bool = False,
+        subfolder: str | None = None,
+        local_files_only: bool = False,
     ) -> None:
         """Replace this model's adapter by a saved one of the same structure (LoRA rank and targets, `<COMP>`
         length); its update rule comes along, the model keeps its `lora_dropout`. Nothing changes if anything
@@ -181,8 +195,15 @@ class AdapterHubMixin:
         With `extend_targets=True` an adapter with LoRA on some of this model's targets loads too (attention
         only, say, into a model that also adapts its MLP): the model keeps its own targets, and the LoRA layers
         the adapter lacks start at zero (`B = 0`), so the model computes what the saved adapter does until
-        training moves them."""
-        folder = resolve_adapter(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
+        training moves them. `subfolder` and `local_files_only` are those of `from_pretrained`."""
+        folder = resolve_adapter(
+            name_or_path,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            subfolder=subfolder,
+            local_files_only=local_files_only,
+        )
         config, tensors = read_adapter(folder)
         # The checks read the model's config and the load writes it: another load in between would mix the two.
         with self._adapter_step("load_adapter()"):
