@@ -344,9 +344,13 @@ class FakeHfApi:
         # As the Hub does: a name without a namespace is created under the token's user ("me").
         return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'me/' + repo_id}")
 
-    def upload_folder(self, repo_id, folder_path, commit_message=None, repo_type=None):
+    def create_branch(self, repo_id, branch, exist_ok=False, repo_type=None):
+        self.calls.append(("create_branch", repo_id, branch, exist_ok))
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None, repo_type=None, revision=None, create_pr=False):
         files = {p.name: p.stat().st_size for p in Path(folder_path).iterdir()}
         self.calls.append(("upload_folder", repo_id, commit_message, files))
+        self.calls.append(("to", revision, create_pr))
         return "commit-info"
 
 
@@ -356,12 +360,25 @@ def test_push_to_hub_uploads_adapter_files_in_one_commit(monkeypatch):
     model = _adapter("acme/tiny-llama")
     result = model.push_to_hub("me/tiny-ccm", private=True, commit_message="first adapter", token="hf_x")
     assert result == "commit-info"
-    (create, upload) = FakeHfApi.calls
-    assert create == ("create_repo", "me/tiny-ccm", True, True, "hf_x")
+    (create, upload, to) = FakeHfApi.calls
+    assert create == ("create_repo", "me/tiny-ccm", True, True, "hf_x") and to == ("to", None, False)
     assert upload[:3] == ("upload_folder", "me/tiny-ccm", "first adapter")
     assert set(upload[3]) == ADAPTER_FILES
     base_bytes = sum(p.numel() * p.element_size() for p in model.base_model.parameters())
     assert upload[3]["adapter_model.safetensors"] < base_bytes / 2  # the adapter, not the base weights
+
+
+@pytest.mark.parametrize(
+    ("revision", "create_pr", "branch"), [("dev", False, "dev"), ("dev", True, "dev"), ("refs/pr/3", False, None)]
+)
+def test_push_to_hub_goes_to_the_branch_or_pull_request_asked_for(monkeypatch, revision, create_pr, branch):
+    """As transformers' push_to_hub: `revision` and `create_pr` were refused as unexpected arguments."""
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    _adapter("acme/tiny-llama").push_to_hub("me/tiny-ccm", revision=revision, create_pr=create_pr)
+    branches = [call[1:] for call in FakeHfApi.calls if call[0] == "create_branch"]
+    assert branches == ([("me/tiny-ccm", branch, True)] if branch else [])
+    assert FakeHfApi.calls[-1] == ("to", revision, create_pr)
 
 
 def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypatch):
@@ -378,7 +395,7 @@ def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypa
 
     monkeypatch.setattr(FakeHfApi, "upload_folder", upload_folder)
     _adapter("acme/tiny-llama").push_to_hub("tiny-ccm")
-    (create, upload) = FakeHfApi.calls
+    (create, upload, _) = FakeHfApi.calls
     assert create[1] == "tiny-ccm" and upload[1] == "me/tiny-ccm"
     assert 'from_pretrained("me/tiny-ccm")' in uploaded["card"]
 

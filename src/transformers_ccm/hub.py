@@ -511,12 +511,18 @@ def push_adapter(
     private: bool | None = None,
     commit_message: str | None = None,
     token: str | bool | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
 ) -> Any:
-    """Create `repo_id` if needed and upload an adapter's files (see `save_adapter`) in one commit. Returns the
-    commit info. A name without a namespace goes where the Hub creates it (the token's user)."""
+    """Create `repo_id` if needed and upload an adapter's files (see `save_adapter`) in one commit, to the branch
+    `revision` (created from the default branch if needed; None: the default branch) or, with `create_pr`, as a
+    pull request against it. Returns the commit info. A name without a namespace goes where the Hub creates it (the
+    token's user)."""
     _check_repo_id(repo_id)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+    if revision is not None and not revision.startswith("refs/pr/"):  # a pull request's ref is no branch to create
+        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
     with tempfile.TemporaryDirectory() as folder:
         save_adapter(folder, config, lora_config, tensors, repo_id=repo_id)
         return api.upload_folder(
@@ -524,6 +530,8 @@ def push_adapter(
             folder_path=folder,
             commit_message=commit_message or f"Upload CCM-{config.update} adapter",
             repo_type="model",
+            revision=revision,
+            create_pr=create_pr,
         )
 
 

@@ -87,8 +87,11 @@ class AdapterHubMixin:
         private: bool | None = None,
         commit_message: str | None = None,
         token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
     ) -> Any:
-        """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit."""
+        """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit, as transformers
+        does: to the branch `revision` (created if needed), or as a pull request with `create_pr`."""
         with self._adapter_step("push_to_hub()"):
             return push_adapter(
                 repo_id,
@@ -98,6 +101,8 @@ class AdapterHubMixin:
                 private=private,
                 commit_message=commit_message,
                 token=token,
+                revision=revision,
+                create_pr=create_pr,
             )
 
     @classmethod
