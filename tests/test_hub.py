@@ -315,6 +315,21 @@ def test_local_files_only_and_subfolder_apply_to_the_adapter_as_in_peft(tmp_path
     assert local.memory_signature() == inner.memory_signature()
 
 
+def test_a_hub_snapshot_cut_short_asks_to_download_it_again(tmp_path, saved_adapter):
+    """A download cut short leaves the snapshot's link to a blob still `.incomplete`: the error said to save the
+    adapter again, which a user who downloaded it cannot."""
+    repo = tmp_path / "hub" / "models--acme--tiny-ccm"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in Path(saved_adapter).iterdir():
+        shutil.copy(file, repo / "blobs" / file.name)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", file.name))
+    (repo / "blobs" / "adapter_model.safetensors").rename(repo / "blobs" / "adapter_model.safetensors.incomplete")
+    with pytest.raises(FileNotFoundError, match=r"no adapter_model\.safetensors; .* download it again"):
+        hub_module.read_adapter(snapshot)
+
+
 @pytest.mark.parametrize(
     ("subfolder", "error", "message"),
     [

@@ -252,7 +252,8 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
         for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME):
             if not (folder / name).is_file():
                 raise FileNotFoundError(
-                    f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete, save it again."
+                    f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete (a save or a download "
+                    "cut short): save it again, or download it again (online, without HF_HUB_OFFLINE)."
                 )
         files[ADAPTER_WEIGHTS_NAME] = (folder / ADAPTER_WEIGHTS_NAME).read_bytes()
     tensors = _read_tensors(folder / ADAPTER_WEIGHTS_NAME, files[ADAPTER_WEIGHTS_NAME])
