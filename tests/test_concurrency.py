@@ -10,7 +10,7 @@ import hashlib
 import io
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -195,6 +195,16 @@ def _frequent_thread_switches() -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
+def _run_interleaved(target: Callable[[int], None], count: int) -> None:
+    """Run `target(0)` .. `target(count - 1)` in threads of their own at once, switching between them often."""
+    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
+    with _frequent_thread_switches():
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
 def _run_alone(worker: _User | _Reader, program: list[str]) -> list[Result]:
     return [worker.run(operation) for operation in program] + [worker.final()]
 
@@ -217,12 +227,7 @@ def _run_together(workers: list[_User | _Reader], programs: list[list[str]]) -> 
             failures.append(error)
             barrier.abort()
 
-    threads = [threading.Thread(target=thread, args=(index,)) for index in range(len(workers))]
-    with _frequent_thread_switches():
-        for each in threads:
-            each.start()
-        for each in threads:
-            each.join()
+    _run_interleaved(thread, len(workers))
     if failures:
         raise failures[0]
     return results
@@ -283,12 +288,7 @@ def test_user_text_and_template_markers_tokenize_the_same_in_concurrent_threads(
         for _ in range(2000):
             wrong[index] += calls[index]() != expected[index]
 
-    threads = [threading.Thread(target=repeat, args=(index,)) for index in range(len(calls))]
-    with _frequent_thread_switches():
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    _run_interleaved(repeat, len(calls))
     assert wrong == [0] * len(calls)
 
 
