@@ -792,6 +792,23 @@ def test_train_refuses_a_compress_chunk_below_one_before_the_model_loads(tmp_pat
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
+        (["--compress-chunk", "200"], "window_tokens (148) is smaller than compress_chunk (200)"),
+        (["--num-comp-tokens", "9"], "max_memory_tokens (8) cannot hold one compressed chunk (9 <COMP> slots)"),
+    ],
+)
+def test_train_on_streams_refuses_bad_sizes_before_the_model_loads(tmp_path, capsys, arguments, message):
+    """The streaming sizes were checked only at the first step, once the model had loaded and the output folder was
+    made."""
+    arguments = ["--task", "text", "--supervision", "stream", "--steps", "1", *arguments]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
         (["--window-tokens", "8", "--compress-chunk", "16"], "window_tokens (8) is smaller than compress_chunk (16)"),
         (["--sink-tokens", "-1"], "sink_tokens must be an integer >= 0, got -1"),
         (["--max-memory-tokens", "1"], "max_memory_tokens (1) cannot hold one compressed chunk (2 <COMP> slots)"),

@@ -2,6 +2,7 @@
 adapter through every compression, and a tiny model learns to carry a token past the window in memory."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,6 +60,27 @@ def test_train_refuses_a_stream_it_cannot_train_on_before_the_first_step(tmp_pat
             train(model, None, streams, None, tmp_path / "out", recipe)
         with pytest.raises(ValueError, match=message.replace("train_samples", "eval_samples")):
             train(model, None, [[5] * 19], streams, tmp_path / "out", recipe)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "streaming", "error", "message"),
+    [
+        # StreamingLLM runs no <COMP> token: the backward failed inside torch ("does not require grad").
+        ("llama", replace(SMALL, compress=False), ValueError, r"needs StreamingConfig\(compress=True\)"),
+        # Sizes the model's 512 positions cannot hold, and a model without rotary embeddings, failed at the first step.
+        ("llama", replace(SMALL, window_tokens=600), ValueError, "exceeds the model's maximum of 512 positions"),
+        ("gpt2", SMALL, TypeError, "needs rotary position embeddings"),
+        ("llama", {"window_tokens": 8}, TypeError, "TrainingRecipe.streaming must be a StreamingConfig"),
+    ],
+)
+def test_train_refuses_streaming_settings_it_cannot_train_with_before_the_first_step(
+    tmp_path, architecture, streaming, error, message
+):
+    model = CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig())
+    recipe = TrainingRecipe(steps=1, batch_size=1, streaming=streaming, group_by_length=False)
+    with pytest.raises(error, match=message):
+        train(model, None, [[5] * 700] * 2, None, tmp_path / "out", recipe)
     assert not (tmp_path / "out").exists()
 
 

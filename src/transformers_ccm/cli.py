@@ -191,6 +191,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
     check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
+    if streaming is not None:  # the sizes against the adapter's settings before the model loads (its positions after)
+        streaming.validate(config, None)
     if args.resume:
         try:
             check_resume(args.output_dir, config, recipe)

@@ -315,6 +315,9 @@ def train(
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
     check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
+    if recipe.streaming is not None:
+        # The sizes against this model's adapter and positions (and rotary embeddings): they failed at the first step.
+        model.new_cache(streaming=recipe.streaming)
     if teacher is not None:
         _check_teacher(model, teacher)
     base_fingerprint = model.memory_signature()["base_fingerprint"]
@@ -758,6 +761,14 @@ def check_training_setup(recipe: TrainingRecipe, conditional_lora: bool, teacher
         )
     if recipe.streaming is None:
         return
+    if not isinstance(recipe.streaming, StreamingConfig):
+        raise TypeError(f"TrainingRecipe.streaming must be a StreamingConfig (or None), got {recipe.streaming!r}.")
+    if not recipe.streaming.compress:
+        # No <COMP> token would run: the adapter takes no part in the loss, and its backward failed inside torch.
+        raise ValueError(
+            "Training on streams needs StreamingConfig(compress=True): a stream that only drops its oldest tokens "
+            "(StreamingLLM) never runs the adapter, so there is nothing to train."
+        )
     if recipe.layout != "ccm" or not conditional_lora:
         raise ValueError(
             "Training on streams needs a compression adapter (conditional_lora=True, layout='ccm'); the fine-tuned "
