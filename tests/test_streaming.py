@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from streaming_reference import ReferenceStream
 from test_sliding_window import windowed_model
-from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm, tiny_longrope_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.modeling import CACHE_ARGUMENT
 
@@ -144,6 +144,29 @@ def test_a_stream_keeps_the_sliding_window_of_the_model(
     ids = torch.randint(3, VOCAB, (2, 30))
     ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_a_longrope_stream_stays_within_the_original_context(compress):
+    """A forward past its original context (64 positions) rotates every position with LongRoPE's long factors: a stream
+    holding more moved keys computed with those by the short factors, to other positions than it gave them. Within it,
+    the keys of the first layer (which depend on the token and its position alone) are those computed at the positions
+    the stream moved them to."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_longrope_base(), CCMConfig(num_comp_tokens=2)))
+    # 2 sink + 4 memory + window + 2 <COMP> positions with compression; 2 sink + window without.
+    window = 56 if compress else 62
+    within = replace(SMALL, window_tokens=window, compress_chunk=8, compress=compress)
+    with pytest.raises(ValueError, match="passes the model's original context of 64 positions"):
+        model.new_cache(streaming=replace(within, window_tokens=window + 1))
+    ids = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(streaming=within)
+    with torch.no_grad():
+        for piece in ids.split(7, dim=1):
+            model(input_ids=piece, past_key_values=cache)
+    sink, kept = cache.sink_length, cache.sink_length + cache.layers[0].memory_length
+    expected = [keys_at(model, ids[:, :sink], 0)[0], keys_at(model, ids[:, -cache.window_length :], kept)[0]]
+    keys = cache.layers[0].keys
+    torch.testing.assert_close(torch.cat([keys[:, :, :sink], keys[:, :, kept:]], dim=2), torch.cat(expected, dim=2))
 
 
 def test_long_inputs_are_split_and_compressed_by_themselves():

@@ -358,7 +358,7 @@ class CompressedMemoryCache(Cache):
                     "model has none (its positions are added to the hidden states). Use a rotary model or a "
                     "non-streaming cache."
                 )
-            streaming.validate(spec.config, spec.max_positions)
+            streaming.validate(spec.config, spec.max_positions, spec.rotation.max_positions)
         layers = (
             [MemoryLayer() for _ in range(spec.num_layers)]
             if streaming is None
@@ -1202,7 +1202,8 @@ class _MemoryFile:
         try:
             # Files written before StreamingConfig.keep_window_full streamed with the paper's schedule.
             streaming = StreamingConfig(**{"keep_window_full": False, **content["config"]})
-            streaming.validate(self.spec.config, self.spec.max_positions)
+            rotary = None if self.spec.rotation is None else self.spec.rotation.max_positions
+            streaming.validate(self.spec.config, self.spec.max_positions, rotary)
             state = {name: content["state"][name] for name in ("sink_length", "window_length", "turn_tokens")}
             state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
         except (KeyError, TypeError, ValueError) as error:

@@ -65,8 +65,9 @@ class StreamingConfig:
         """The StreamingLLM configuration (no compression) holding exactly as many positions as this one."""
         return replace(self, compress=False, window_tokens=self.window_tokens + self.memory_slots(ccm_config))
 
-    def validate(self, ccm_config: CCMConfig, max_positions: int | None) -> None:
-        """Raise a ValueError naming the setting to change if these sizes cannot work."""
+    def validate(self, ccm_config: CCMConfig, max_positions: int | None, rotary_positions: int | None = None) -> None:
+        """Raise a ValueError naming the setting to change if these sizes cannot work, for a model of `max_positions`
+        whose rotary embedding keeps its frequencies up to `rotary_positions` (`KeyRotation.max_positions`)."""
         # Types too: these sizes may come from a memory file's header, and a float or a bool would only fail (or
         # mean something else) later, inside a forward.
         for name in ("window_tokens", "compress_chunk", "max_memory_tokens"):
@@ -97,13 +98,19 @@ class StreamingConfig:
                 f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
                 f"exceeds the model's maximum of {max_positions} positions; lower window_tokens."
             )
+        if rotary_positions is not None and highest > rotary_positions:
+            raise ValueError(
+                f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
+                f"passes the model's original context of {rotary_positions} positions, past which its LongRoPE rotates "
+                "every position with other frequencies: the keys a stream moves would land at wrong positions. Lower "
+                f"window_tokens to stay within {rotary_positions} positions."
+            )
 
 
-def _long_frequencies(rotary: torch.nn.Module, layer_type: str | None, current: torch.Tensor) -> torch.Tensor | None:
-    """The long-factor frequencies of a LongRoPE `rotary` module (of layers of `layer_type`, None where it has one
-    kind), with which a forward that reaches the model's maximum position rotates when that passes the original
-    context, in the dtype of the module's frequencies `current` (transformers copies them into those); None for other
-    rotaries, or a maximum within the original context."""
+def _original_context(rotary: torch.nn.Module, layer_type: str | None) -> int | None:
+    """The original context of a LongRoPE `rotary` module (of layers of `layer_type`, None where it has one kind): a
+    forward whose positions pass it rotates every position with the long factors. None for other rotaries, or a
+    maximum within the original context (the long factors never apply)."""
     kinds = getattr(rotary, "rope_type", None)
     kind = kinds.get(layer_type) if isinstance(kinds, dict) else kinds
     if kind != "longrope":
@@ -111,9 +118,18 @@ def _long_frequencies(rotary: torch.nn.Module, layer_type: str | None, current: 
     config = rotary.config
     parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     original = parameters["original_max_position_embeddings"]
-    if config.max_position_embeddings <= original:
+    return original if config.max_position_embeddings > original else None
+
+
+def _long_frequencies(rotary: torch.nn.Module, layer_type: str | None, current: torch.Tensor) -> torch.Tensor | None:
+    """The long-factor frequencies of a LongRoPE `rotary` module (`_original_context`), with which a forward that
+    reaches the model's maximum position rotates, in the dtype of the module's frequencies `current` (transformers
+    copies them into those); None where `_original_context` is."""
+    original = _original_context(rotary, layer_type)
+    if original is None:
         return None
-    long, _ = ROPE_INIT_FUNCTIONS[kind](config, current.device, seq_len=original + 1, layer_type=layer_type)
+    config = rotary.config
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, current.device, seq_len=original + 1, layer_type=layer_type)
     return long.to(current.dtype)
 
 
@@ -130,9 +146,11 @@ class KeyRotation:
     they are computed; a rotation keeps that scale.
     """
 
-    def __init__(self, inverse_frequencies: list[torch.Tensor]) -> None:
+    def __init__(self, inverse_frequencies: list[torch.Tensor], max_positions: int | None = None) -> None:
         # Copies: the model's buffer may change in place (`of_model`), and a rotation must not change with it.
         self.inverse_frequencies = [frequencies.detach().float().clone() for frequencies in inverse_frequencies]
+        # The most positions a forward may reach for the model to rotate with these frequencies (None: any).
+        self.max_positions = max_positions
 
     @staticmethod
     def module_name(model: PreTrainedModel) -> str | None:
@@ -151,18 +169,21 @@ class KeyRotation:
         Dynamic variants (dynamic NTK, LongRoPE) set their `inv_freq` at every forward, in place, by the last
         position of that forward: read there, a cache's rotation changed with the forward of any other user's cache,
         and moved a stream's keys by the frequencies of a history far longer than its own. Their
-        `original_inv_freq`, those of positions within the original context, never changes."""
+        `original_inv_freq`, those of positions within the original context, never changes: without
+        `at_max_positions`, the rotation holds for forwards within that context only (`max_positions`)."""
         rotary = model.get_submodule(module_name)
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-        frequencies = []
+        frequencies, contexts = [], []
         for layer_type in layer_types[: config.num_hidden_layers]:
             by_type = layer_type if layer_type and hasattr(rotary, f"{layer_type}_inv_freq") else None
             prefix = f"{by_type}_" if by_type else ""
             current = getattr(rotary, f"{prefix}inv_freq")
             long = _long_frequencies(rotary, by_type, current) if at_max_positions else None
             frequencies.append(long if long is not None else getattr(rotary, f"{prefix}original_inv_freq", current))
-        return cls(frequencies)
+            contexts.append(_original_context(rotary, by_type))
+        known = [context for context in contexts if context is not None]
+        return cls(frequencies, None if at_max_positions or not known else min(known))
 
     def shift(self, layer_idx: int, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Rotate keys `(batch, kv_heads, len, head_dim)` by `delta` positions each: `(len,)`, the same for every
