@@ -592,6 +592,51 @@ def test_a_memory_that_loads_keeps_a_true_count_of_its_history_through_later_tur
     assert torch.equal(CompressedMemoryCache.load(path, model).history_tokens, cache.history_tokens)
 
 
+_STREAM = StreamingConfig(window_tokens=9, sink_tokens=2, compress_chunk=3, max_memory_tokens=2)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    counted=st.integers(0, 2**20) | st.integers(2**62 - 40, 2**62),
+    pieces=st.lists(st.integers(1, _STREAM.max_forward_tokens), min_size=1, max_size=5),
+)
+def test_a_stream_keeps_a_true_count_of_its_history_within_the_bound(tmp_path, counted, pieces):
+    """A stream added the tokens it was fed to its count without the bound that a turn keeps: a stream loaded just
+    below it went past it, and `save` wrote a file that `load` refused. The forwards keep the bound without reading
+    the count from the device."""
+    model = tiny_ccm("llama")
+    path = tmp_path / "stream.safetensors"
+    cache = model.new_cache(streaming=_STREAM)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 90, (1, 12)), past_key_values=cache)
+    cache.save(path)
+    _rewrite(path, tensors=_with("next_position", torch.tensor([counted])))
+    cache = CompressedMemoryCache.load(path, model)
+    prepare, reads = cache.prepare_forward, []
+
+    def counted_reads(new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, object]:
+        with ValuesRead() as values:
+            prepared = prepare(new_mask, sdpa)
+        reads.append((new_mask.shape[1], values.count))
+        return prepared
+
+    cache.prepare_forward = counted_reads
+    for width in pieces:
+        before = cache.history_tokens.clone()
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.randint(3, 90, (1, width)), past_key_values=cache)
+        except ValueError as error:  # refused only at the bound, and then the stream is as it was
+            assert "more would pass the most a memory counts" in str(error)
+            assert before + width > 2**62 and torch.equal(cache.history_tokens, before)
+        else:
+            assert torch.equal(cache.history_tokens, before + width)
+    if counted < 2**61:  # far from the bound, the count set by the file is read once (and whether input is padded)
+        assert all(count <= (2 if index == 0 else 1) for index, (_, count) in enumerate(reads)), reads
+    cache.save(path)
+    assert torch.equal(CompressedMemoryCache.load(path, model).history_tokens, cache.history_tokens)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     contexts=st.lists(st.integers(2, 6), min_size=1, max_size=3),

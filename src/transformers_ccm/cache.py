@@ -640,15 +640,7 @@ class CompressedMemoryCache(Cache):
     def _prepare_turn_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
         """`prepare_forward` for compressed memory: the new tokens join the turn at each row's next positions."""
         counts = new_mask.sum(-1)
-        known = self._known_history()
-        most = (int(self.history_tokens.max()) if known is None else known) + new_mask.shape[1]
-        # The counters are read from the device only near the bound (or, just above, once they were set elsewhere);
-        # subtracted, not added: the sum could overflow.
-        if most > _MOST_HISTORY_TOKENS and bool((self.history_tokens > _MOST_HISTORY_TOKENS - counts).any()):
-            raise ValueError(
-                f"This memory's rows have taken in {self.history_tokens.tolist()} tokens; {counts.tolist()} more would "
-                f"pass the most a memory counts ({_MOST_HISTORY_TOKENS}). Start a new cache for these users."
-            )
+        most = self._check_history(counts, new_mask.shape[1])
         if self.max_positions is not None and most > self.max_positions:  # a row's next position is at most `most`
             self._fit_positions(counts)
         rows = self.rows
@@ -667,6 +659,21 @@ class CompressedMemoryCache(Cache):
         )
         self._know_history(most)
         return position_ids, mask
+
+    def _check_history(self, counts: torch.Tensor, new: int) -> int:
+        """Raise unless every row can take its `counts` `(batch,)` more tokens of a forward of `new` within the most a
+        memory counts (a saved memory past it does not load); returns the bound `history_tokens` will then keep
+        (`_know_history`)."""
+        known = self._known_history()
+        most = (int(self.history_tokens.max()) if known is None else known) + new
+        # The counters are read from the device only near the bound (or, just above, once they were set elsewhere);
+        # subtracted, not added: the sum could overflow.
+        if most > _MOST_HISTORY_TOKENS and bool((self.history_tokens > _MOST_HISTORY_TOKENS - counts).any()):
+            raise ValueError(
+                f"This memory's rows have taken in {self.history_tokens.tolist()} tokens; {counts.tolist()} more would "
+                f"pass the most a memory counts ({_MOST_HISTORY_TOKENS}). Start a new cache for these users."
+            )
+        return most
 
     def _known_history(self) -> int | None:
         """The most tokens a row has taken in (or more), kept as the forwards add tokens (at most their width), so
@@ -827,11 +834,13 @@ class CompressedMemoryCache(Cache):
                 f"{new} new tokens do not fit the streaming window ({layer.window_length} of "
                 f"{streaming.window_tokens} held); run the base model through CCMForCausalLM, which makes room first."
             )
+        most = self._check_history(new_mask.sum(-1), new)
         held = layer.kv_length
         position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
         self.turn_tokens += new
         # A stream's positions are those of what it holds; `next_position` only counts its tokens (`history_tokens`).
         self.rows = replace(self.rows, next_position=self.rows.next_position + new)
+        self._know_history(most)
         if self._mask_free(sdpa, new):
             return position_ids, None
         return position_ids, self._attend_stream(held, new, new_mask.device)
