@@ -212,6 +212,18 @@ def test_stream_nll_refuses_a_piece_that_is_not_a_positive_integer(piece):
         stream_nll(tiny_ccm("llama"), torch.arange(3, 40), SMALL, piece=piece)
 
 
+def test_stream_evaluation_refuses_what_it_would_misread():
+    """A negative start of a perplexity counted from the end of the stream, True stood for 1, and streaming=None made a
+    cache of compressed memory, then failed on an attribute of None."""
+    result = stream_nll(tiny_ccm("llama"), torch.arange(3, 40), SMALL, piece=5)
+    for start in (-3, True, 1.5):
+        with pytest.raises(ValueError, match=f"start must be a position of the stream, an integer >= 0, got {start!r}"):
+            result.perplexity(start)
+    assert result.perplexity(0) == result.perplexity()
+    with pytest.raises(TypeError, match="streaming must be a StreamingConfig, got NoneType"):
+        stream_nll(tiny_ccm("llama"), torch.arange(3, 40), None)
+
+
 @given(length=st.integers(min_value=2, max_value=30), piece=st.integers(min_value=1, max_value=12))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_stream_no_longer_than_its_budget_has_no_perplexity_after_it(length, piece):

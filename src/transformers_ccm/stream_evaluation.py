@@ -12,7 +12,7 @@ import torch
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
-from transformers_ccm.validation import positive_int
+from transformers_ccm.validation import is_int, positive_int
 
 
 @dataclass
@@ -28,6 +28,9 @@ class StreamResult:
 
     def perplexity(self, start: int = 0) -> float:
         """Perplexity of the tokens predicted from position `start` on."""
+        # A negative start counted from the end (a slice's), and True stood for 1, each giving another perplexity.
+        if not is_int(start) or start < 0:
+            raise ValueError(f"start must be a position of the stream, an integer >= 0, got {start!r}.")
         losses = self.token_nll[start:]
         if not losses:
             raise ValueError(
@@ -60,6 +63,8 @@ def stream_nll(
 
     With `streaming.compress=False` this is StreamingLLM, scored with the adapter off: the base model's own.
     """
+    if not isinstance(streaming, StreamingConfig):  # None made a cache of compressed memory, which streams nothing
+        raise TypeError(f"streaming must be a StreamingConfig, got {type(streaming).__name__}.")
     if ids.ndim != 1 or ids.shape[0] < 2:
         raise ValueError(f"ids must be one stream of at least 2 tokens, got shape {tuple(ids.shape)}.")
     # range() would refuse 0 with its own words, and a negative piece scores nothing at all.
