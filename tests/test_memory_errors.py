@@ -390,6 +390,12 @@ def test_every_stream_the_model_makes_loads_back(tmp_path, update, compress, kee
     )
 
 
+def _compressed_tokens_kept_by_the_paper_s_schedule(header):
+    """A stream header whose window keeps a compressed token, under the schedule that drops them at once."""
+    header["streaming"]["config"]["keep_window_full"] = False
+    header["streaming"]["state"]["compressed_in_window"] = 1
+
+
 CRAFTED_STREAMS = {
     "rows at different steps": ({"tensors": _with("steps", torch.tensor([2, 7]))}, r"its rows are at steps \[2, 7\]"),
     "no fold, yet memory": (
@@ -399,6 +405,15 @@ CRAFTED_STREAMS = {
     "memory slots that no row owns": (
         {"tensors": lambda tensors: {**tensors, "memory_mask": torch.zeros_like(tensors["memory_mask"])}},
         "a row does not own all of its memory slots",
+    ),
+    # Evicted without a compression of their own: tokens that no memory slot holds were dropped.
+    "more compressed window tokens than one chunk": (
+        {"metadata": _header_edit(lambda h: h["streaming"]["state"].update(compressed_in_window=5))},
+        r"its window holds 5 tokens already compressed, more than this stream leaves there \(4\)",
+    ),
+    "compressed window tokens under the paper's schedule": (
+        {"metadata": _header_edit(_compressed_tokens_kept_by_the_paper_s_schedule)},
+        r"its window holds 1 tokens already compressed, more than this stream leaves there \(0\)",
     ),
     "a window before the sink is full": (
         {

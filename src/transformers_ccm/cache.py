@@ -1335,6 +1335,14 @@ class _MemoryFile:
                 f"it holds {width} memory slots, which {step} compressed chunks cannot give ({config.update}, {n} per "
                 "chunk)"
             )
+        # Window tokens already compressed (`keep_window_full`) are evicted without a compression of their own: more
+        # than the chunk last compressed would drop tokens that no memory slot holds.
+        compressed = state["compressed_in_window"]
+        most = streaming.compress_chunk if streaming.compress and streaming.keep_window_full and step > 0 else 0
+        if compressed > most:
+            raise self._fail(
+                f"its window holds {compressed} tokens already compressed, more than this stream leaves there ({most})"
+            )
         if state["sink_length"] < streaming.sink_tokens and width + state["window_length"] > 0:
             raise self._fail(
                 f"its sink holds {state['sink_length']} of {streaming.sink_tokens} tokens, yet memory or window tokens "
