@@ -175,3 +175,13 @@ def test_switching_the_base_models_attention_after_wrapping_is_refused_with_the_
     with pytest.raises(ValueError, match="'sdpa' or 'eager'"):
         model.set_attn_implementation("flex_attention")
     assert model.base_model.config._attn_implementation == "ccm_sdpa"
+
+
+def test_a_mixture_of_experts_adapter_saves_and_loads(tmp_path):
+    """PEFT writes target_parameters=[] for the MoE models whose config it converts (Mixtral, Qwen3-MoE), and loading
+    refused every such adapter as one whose files disagree with its ccm_config.json."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("mixtral"), CCMConfig()))
+    model.save_pretrained(tmp_path)
+    loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=tiny_base("mixtral"))
+    assert torch.equal(_memory_logits(loaded), _memory_logits(model))
+

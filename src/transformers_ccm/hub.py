@@ -414,7 +414,7 @@ def _check_files_agree(
     problems = [
         f"{ADAPTER_CONFIG_NAME} has {key}={peft_config.get(key, '(missing)')!r} where {value!r} is expected"
         for key, value in wanted.items()
-        if peft_config.get(key, _PEFT_FIXED.get(key)) != value
+        if _unset_as_none(peft_config.get(key, _PEFT_FIXED.get(key)), value) != value
     ]
     # PEFT loads only its own key names (and read_adapter drops the prefix: with and without it, one would win).
     unprefixed = sorted(key for key in tensors if key != COMP_EMBEDDINGS_KEY and not key.startswith(PEFT_PREFIX))
@@ -450,6 +450,12 @@ def _check_files_agree(
             f"The files of the adapter at {folder} disagree with its {CONFIG_NAME}: {'; '.join(problems)}. "
             "They do not belong together; save or download the adapter again."
         )
+
+
+def _unset_as_none(found: Any, expected: Any) -> Any:
+    """`found` read as PEFT reads it where `expected` is None (unset): an empty list selects nothing, as None does;
+    PEFT writes `target_parameters=[]` for the MoE models whose config it converts (Mixtral, Qwen3-MoE)."""
+    return None if expected is None and found == [] else found
 
 
 def _unselected(peft_config: dict[str, Any], modules: set[str], source: str) -> list[str]:

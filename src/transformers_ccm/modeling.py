@@ -93,6 +93,7 @@ class _ModelState(NamedTuple):
 TESTED_MODEL_TYPES = (
     "llama",
     "mistral",
+    "mixtral",
     "qwen2",
     "qwen3",
     "gemma2",
