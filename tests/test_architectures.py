@@ -185,3 +185,15 @@ def test_a_mixture_of_experts_adapter_saves_and_loads(tmp_path):
     loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=tiny_base("mixtral"))
     assert torch.equal(_memory_logits(loaded), _memory_logits(model))
 
+
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", [["w1", "w3"], ["q_proj", "w1", "w2", "w3"]])
+def test_targets_on_fused_experts_are_refused_and_the_base_left_as_it_was(targets, lora_dropout):
+    """PEFT puts a LoRA on Mixtral's fused expert weights for their old names: the gate cannot keep one on a weight to
+    <COMP> positions, and the first call failed on a shape (or, with dropout, PEFT's error named the dropout)."""
+    base = tiny_base("mixtral")
+    modules = {name: type(module) for name, module in base.named_modules()}
+    with pytest.raises(ValueError, match=r"experts of MixtralForCausalLM.*'gate_up_proj'\].*every token.*Name linear"):
+        CCMForCausalLM.from_base(base, CCMConfig(target_modules=targets, lora_dropout=lora_dropout))
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+    assert not hasattr(base, "peft_config")

@@ -79,7 +79,29 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
             f"({unsupported[:3]}{' ...' if len(unsupported) > 3 else ''}); name linear projections only, such as "
             "'q_proj' or 'up_proj'."
         )
-    inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
+    try:
+        inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER_NAME)
+    except ValueError as error:  # such as PEFT's "ParamWrapper does not work with lora_dropout != 0"
+        _refuse_parameter_targets(model, lora_config, config, error)
+        raise
+    _refuse_parameter_targets(model, lora_config, config)
+
+
+def _refuse_parameter_targets(
+    model: PreTrainedModel, lora_config: LoraConfig, config: CCMConfig, cause: Exception | None = None
+) -> None:
+    """Raise if PEFT turned target modules into target parameters, as it does for names of the fused experts of some
+    mixture-of-experts models (Mixtral's w1/w2/w3): a LoRA on a parameter changes the weight for every token, where
+    the gate cannot keep it to `<COMP>` positions (it failed on a shape, or made the LoRA act everywhere). Called
+    after `inject_adapter_in_model`, which converts `lora_config` in place (PEFT may have raised part way)."""
+    parameters = sorted(lora_config.target_parameters or ())
+    if parameters:
+        raise ValueError(
+            f"CCMConfig.target_modules {config.target_modules} name the experts of {type(model).__name__}'s "
+            f"mixture-of-experts layers, which PEFT adapts as the fused parameters {parameters}: a LoRA there acts "
+            "at every token, not only at <COMP> positions. Name linear projections only, such as the attention's "
+            "'q_proj' or 'v_proj'."
+        ) from cause
 
 
 def targeted(model: PreTrainedModel, target_modules: list[str] | None) -> set[str]:
