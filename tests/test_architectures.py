@@ -197,3 +197,20 @@ def test_targets_on_fused_experts_are_refused_and_the_base_left_as_it_was(target
         CCMForCausalLM.from_base(base, CCMConfig(target_modules=targets, lora_dropout=lora_dropout))
     assert {name: type(module) for name, module in base.named_modules()} == modules
     assert not hasattr(base, "peft_config")
+
+
+@pytest.mark.parametrize("architecture", ["cohere", "smollm3", "gptj"])
+def test_keys_that_cannot_be_re_rotated_refuse_streaming_and_re_basing(architecture):
+    """Streaming and re-basing moved Cohere's keys (rotated in interleaved pairs) and SmolLM3's (a layer without
+    positions) as if in Llama's layout, to wrong positions: the logits of another history, silently. GPT-J's rotary
+    module (a table of sines and cosines) made every cache fail with an AttributeError."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig()))
+    with pytest.raises(TypeError, match=r"keys cannot follow .*interleaved pairs.*layers without positions"):
+        model.new_cache(streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4))
+    cache, context = model.new_cache(), torch.tensor([list(range(3, 60))])
+    for _ in range(8):  # 8 * (57 + 1) positions of the 512
+        model.compress(cache, context)
+    memory = [layer.keys.clone() for layer in cache.layers]
+    with pytest.raises(ValueError, match=r"past the model's 512 positions, which cannot be moved .*Start a new cache"):
+        model.compress(cache, context)
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, memory, strict=True))

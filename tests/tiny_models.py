@@ -8,9 +8,11 @@ import functools
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
+    GPTJConfig,
     GPTNeoXConfig,
     LlamaConfig,
     LogitsProcessor,
@@ -22,6 +24,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -68,6 +71,10 @@ def _configs() -> dict[str, PretrainedConfig]:
             eos_token_id=2,
         ),
         "olmo": OlmoConfig(**_COMMON),
+        # Rotary embeddings that streaming cannot move: interleaved pairs; a layer without positions (NoPE); a table.
+        "cohere": CohereConfig(**_COMMON),
+        "smollm3": SmolLM3Config(**_COMMON, no_rope_layer_interval=2),
+        "gptj": GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=512),
         "gpt2": GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2
         ),

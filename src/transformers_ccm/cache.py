@@ -63,6 +63,13 @@ _CLAIMS = threading.Lock()
 _CLAIMANT: ContextVar[object | None] = ContextVar("ccm_cache_claimant", default=None)
 
 
+# Why a model's cached keys cannot move to other positions (`CacheSpec.rotation` is None).
+_FIXED_POSITIONS = (
+    "learned absolute positions added to the hidden states, or rotary embeddings that CCM cannot re-rotate: only "
+    "the rotate_half layout of Llama is, not interleaved pairs (Cohere, GLM) nor layers without positions (Llama 4)"
+)
+
+
 # ----- what a model tells its caches -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheSpec:
@@ -75,9 +82,10 @@ class CacheSpec:
             is refused.
         num_layers, kv_heads, head_dim: the shape of each layer's keys/values `(batch, kv_heads, len, head_dim)`.
         dtype, device: those of the keys/values.
-        rotation: the model's rotary frequencies (None without rotary embeddings); streaming needs it.
+        rotation: the model's rotary frequencies (None without rotary embeddings, or with ones `KeyRotation` does
+            not reproduce); streaming needs it.
         rebase_rotation: its frequencies at `max_positions` (`KeyRotation.of_model(at_max_positions=True)`; None
-            without rotary embeddings), with which compressed memory re-bases positions that would pass them.
+            where `rotation` is), with which compressed memory re-bases positions that would pass them.
         max_positions: the model's maximum number of positions, if it has one.
         sliding_window: the model's sliding-window layers, which see only the recent tokens of the turn.
     """
@@ -354,9 +362,9 @@ class CompressedMemoryCache(Cache):
         if streaming is not None:
             if spec.rotation is None:
                 raise TypeError(
-                    "Streaming reassigns positions inside the cache, which needs rotary position embeddings; this "
-                    "model has none (its positions are added to the hidden states). Use a rotary model or a "
-                    "non-streaming cache."
+                    f"Streaming reassigns positions inside the cache, which this model's keys cannot follow "
+                    f"({_FIXED_POSITIONS}). Use a model with rotary embeddings in that layout (Llama, Mistral, Qwen, "
+                    "Gemma, ...) or a non-streaming cache."
                 )
             streaming.validate(spec.config, spec.max_positions, spec.rotation.max_positions)
         layers = (
@@ -709,8 +717,8 @@ class CompressedMemoryCache(Cache):
         if rotation is None:
             raise ValueError(
                 f"This memory's history reaches position {int(end.max())}, past the model's {self.max_positions} "
-                "learned absolute positions, which cannot be moved. Start a new cache for this user, or use a model "
-                "with rotary position embeddings (positions are then re-based automatically)."
+                f"positions, which cannot be moved ({_FIXED_POSITIONS}). Start a new cache for this user, or use a "
+                "model with rotary position embeddings in that layout (positions are then re-based automatically)."
             )
         # Back to half the positions, so that re-basing is rare; further where the input needs more room: an input
         # of more than half the positions that fits them was refused after any history.

@@ -21,7 +21,7 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -101,6 +101,9 @@ TESTED_MODEL_TYPES = (
     "phi3",
     "gpt_neox",
     "olmo",
+    "cohere",
+    "smollm3",
+    "gptj",
     "gpt2",
 )
 
@@ -160,6 +163,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Add the LoRA, the `<COMP>` embeddings, the gate and CCM's attention to `base_model` (`_release_base` undoes
         it, also part of it)."""
         base_model = self.base_model
+        self._rotary_module = KeyRotation.module_name(base_model)
+        # Checked on the model as it was given, before anything is added to it.
+        self._keys_movable = self._rotary_module is not None and _keys_move_exactly(base_model, self._rotary_module)
         inject_lora(base_model, config)
         base_model.requires_grad_(False)
         for layer in lora_layers(base_model):
@@ -167,7 +173,6 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             layer.lora_B.requires_grad_(True)
         self.comp_embeddings = nn.Parameter(_initial_comp_embeddings(base_model, config.num_comp_tokens))
         self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
-        self._rotary_module = KeyRotation.module_name(base_model)
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
         for module in _frequency_setting_rotaries(base_model):
@@ -444,7 +449,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         heads = text_config.num_attention_heads
         # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
         rotation = rebase_rotation = None
-        if self._rotary_module is not None:
+        if self._keys_movable:
             rotation = KeyRotation.of_model(self.base_model, self._rotary_module)
             rebase_rotation = KeyRotation.of_model(self.base_model, self._rotary_module, at_max_positions=True)
         return CacheSpec(
@@ -1255,6 +1260,42 @@ def _new_one_at_a_time(rotary_class: type[nn.Module]) -> nn.Module:
     """An empty module of `_one_at_a_time(rotary_class)`, for pickle to fill with a saved one's state."""
     locked = _one_at_a_time(rotary_class)
     return locked.__new__(locked)
+
+
+@torch.no_grad()
+def _keys_move_exactly(model: PreTrainedModel, rotary_module: str) -> bool:
+    """Whether `KeyRotation` moves the keys of `model` where its own forward puts them: the keys of a few tokens run
+    at positions `0..n-1` and moved by `shift`, against those of the same tokens run at `shift..shift+n-1`, in
+    every layer. It does not for rotary layouts other than `rotate_half` (interleaved pairs, as in Cohere, GLM and
+    Helium), nor for layers without positions (Llama 4, SmolLM3 or Cohere 2 NoPE layers); streaming and re-basing
+    would move their keys to wrong positions."""
+    if not any(name.endswith("inv_freq") for name, _ in model.get_submodule(rotary_module).named_buffers()):
+        return False  # a table of sines and cosines (GPT-J, CodeGen): in interleaved pairs, which KeyRotation is not
+    rotation = KeyRotation.of_model(model, rotary_module)
+    config = model.config.get_text_config(decoder=True)
+    length, shift = 4, 13  # within any original context: dynamic and LongRoPE rotaries keep their short frequencies
+    embeddings = model.get_input_embeddings().weight
+    if embeddings.is_meta:
+        return False
+    ids = (torch.arange(length, device=embeddings.device) * 7 + 3)[None] % embeddings.shape[0]
+    modes = {module: module.training for module in model.modules()}
+    model.eval()  # dropout would make the two runs differ
+    try:
+        keys = []
+        for start in (0, shift):
+            cache = DynamicCache()
+            positions = torch.arange(start, start + length, device=ids.device)[None]
+            model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache})
+            keys.append([layer.keys.float() for layer in cache.layers])
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    # Moving keys by the wrong rotation errs by about their size; rounding through the layers, by far less.
+    tolerance = 1e-3 if embeddings.dtype == torch.float32 else 1e-1
+    return len(keys[0]) == config.num_hidden_layers and all(
+        (rotation.shift(index, at_start, torch.full((length,), shift)) - shifted).norm() <= tolerance * shifted.norm()
+        for index, (at_start, shifted) in enumerate(zip(*keys, strict=True))
+    )
 
 
 def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> torch.Tensor:
