@@ -6,6 +6,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     BloomConfig,
+    JambaConfig,
+    Lfm2Config,
+    Llama4TextConfig,
+    RecurrentGemmaConfig,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -19,6 +23,29 @@ def test_model_without_attention_interface_is_refused():
     bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
     with pytest.raises(TypeError, match="AttentionInterface"):
         CCMForCausalLM.from_base(bloom, CCMConfig())
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+_WITH_OTHER_LAYERS = {
+    "conv": lambda: Lfm2Config(**_SMALL, layer_types=["conv", "full_attention"]),
+    "recurrent": lambda: RecurrentGemmaConfig(**_SMALL, lru_width=32, block_types=["recurrent", "attention"]),
+    "mamba": lambda: JambaConfig(**_SMALL, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False),
+    "chunked attention": lambda: Llama4TextConfig(**_SMALL, head_dim=8, attention_chunk_size=4),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WITH_OTHER_LAYERS))
+def test_a_model_with_layers_that_are_not_attention_is_refused_and_left_as_it_was(kind):
+    """LFM2 and RecurrentGemma were wrapped and failed at the first compression with an AttributeError (their
+    recurrent layers hold no keys); Llama 4's chunked attention ran unmasked, and generate() disagreed with the
+    parallel forward."""
+    base = AutoModelForCausalLM.from_config(_WITH_OTHER_LAYERS[kind]())
+    modules = {name: type(module) for name, module in base.named_modules()}
+    implementation = base.config._attn_implementation
+    with pytest.raises(TypeError, match=r"has layers of the types \[.*\] \(config.layer_types\).*every layer is full"):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+    assert base.config._attn_implementation == implementation
 
 
 def test_encoder_decoder_is_refused():

@@ -107,6 +107,9 @@ TESTED_MODEL_TYPES = (
     "gpt2",
 )
 
+# The layer types (`config.layer_types`) CCM runs: attention over every key or a sliding window of them.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
 
 def _tuple_on_request(forward: Callable[..., CausalLMOutputWithPast]) -> Callable[..., Any]:
     """transformers' `return_dict` for `CCMForCausalLM.forward`: its paths read fields of the base model's outputs, so
@@ -1172,6 +1175,15 @@ def _check_supported(model: PreTrainedModel) -> None:
         )
     if lora_layers(model):
         raise TypeError(f"{name} already holds LoRA layers; pass the base model without adapters.")
+    text_config = model.config.get_text_config(decoder=True)
+    other_layers = sorted({str(kind) for kind in getattr(text_config, "layer_types", None) or ()} - ATTENTION_LAYERS)
+    if other_layers:
+        raise TypeError(
+            f"{name} has layers of the types {other_layers} (config.layer_types), beside attention: a recurrent or "
+            "convolution state (Mamba, linear attention), or attention CCM does not mask (chunked), whose history "
+            "cannot be held in <COMP> keys and values. CCM needs a model whose every layer is full or sliding-window "
+            "attention."
+        )
     if not model._supports_attention_backend:
         raise TypeError(
             f"{name} does not route its attention through transformers' AttentionInterface, which CCM needs to "
