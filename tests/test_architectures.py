@@ -9,6 +9,7 @@ from transformers import (
     JambaConfig,
     Lfm2Config,
     Llama4TextConfig,
+    NemotronConfig,
     RecurrentGemmaConfig,
     T5Config,
     T5ForConditionalGeneration,
@@ -46,6 +47,18 @@ def test_a_model_with_layers_that_are_not_attention_is_refused_and_left_as_it_wa
         CCMForCausalLM.from_base(base, CCMConfig())
     assert {name: type(module) for name, module in base.named_modules()} == modules
     assert base.config._attn_implementation == implementation
+
+
+def test_a_model_whose_layers_drop_keyword_arguments_is_refused_and_left_as_it_was():
+    """Nemotron's decoder layers call attention without the forward's keyword arguments: CCM's merge memory never
+    reached attention and the training forward failed on a shape."""
+    base = AutoModelForCausalLM.from_config(NemotronConfig(**_SMALL, num_key_value_heads=2)).train()
+    modules = {name: (type(module), module.training) for name, module in base.named_modules()}
+    hooks = {name: dict(module._forward_pre_hooks) for name, module in base.named_modules()}
+    with pytest.raises(TypeError, match=r"NemotronForCausalLM's layers do not hand the forward's keyword arguments"):
+        CCMForCausalLM.from_base(base, CCMConfig(update="merge"))
+    assert {name: (type(module), module.training) for name, module in base.named_modules()} == modules
+    assert {name: dict(module._forward_pre_hooks) for name, module in base.named_modules()} == hooks
 
 
 def test_encoder_decoder_is_refused():

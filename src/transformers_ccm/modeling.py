@@ -168,7 +168,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         base_model = self.base_model
         self._rotary_module = KeyRotation.module_name(base_model)
         # Checked on the model as it was given, before anything is added to it.
-        self._keys_movable = self._rotary_module is not None and _keys_move_exactly(base_model, self._rotary_module)
+        self._keys_movable = _probe_base_model(base_model, self._rotary_module)
         inject_lora(base_model, config)
         base_model.requires_grad_(False)
         for layer in lora_layers(base_model):
@@ -1274,37 +1274,59 @@ def _new_one_at_a_time(rotary_class: type[nn.Module]) -> nn.Module:
     return locked.__new__(locked)
 
 
+# A keyword argument of `_probe_base_model`'s forward, which every attention layer must receive.
+_PROBE_KWARG = "ccm_probe"
+
+
 @torch.no_grad()
-def _keys_move_exactly(model: PreTrainedModel, rotary_module: str) -> bool:
-    """Whether `KeyRotation` moves the keys of `model` where its own forward puts them: the keys of a few tokens run
-    at positions `0..n-1` and moved by `shift`, against those of the same tokens run at `shift..shift+n-1`, in
-    every layer. It does not for rotary layouts other than `rotate_half` (interleaved pairs, as in Cohere, GLM and
-    Helium), nor for layers without positions (Llama 4, SmolLM3 or Cohere 2 NoPE layers); streaming and re-basing
-    would move their keys to wrong positions."""
-    if not any(name.endswith("inv_freq") for name, _ in model.get_submodule(rotary_module).named_buffers()):
-        return False  # a table of sines and cosines (GPT-J, CodeGen): in interleaved pairs, which KeyRotation is not
-    rotation = KeyRotation.of_model(model, rotary_module)
-    config = model.config.get_text_config(decoder=True)
-    length, shift = 4, 13  # within any original context: dynamic and LongRoPE rotaries keep their short frequencies
+def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool:
+    """Run `model` on a few tokens at positions `0..n-1` (and, for a rotary model, at `shift..shift+n-1`). Raise a
+    TypeError if its layers do not hand the forward's keyword arguments on to attention: CCM's masks and memory travel
+    that way (Nemotron's decoder layers drop them; merge and EMA failed on a shape). Returns whether `KeyRotation`
+    moves its keys where its own forward puts them, in every layer: not for rotary layouts other than `rotate_half`
+    (interleaved pairs, as in Cohere, GLM, Helium and GPT-J), nor for layers without positions (SmolLM3 or Cohere 2
+    NoPE layers); streaming and re-basing would move those keys to wrong positions."""
     embeddings = model.get_input_embeddings().weight
     if embeddings.is_meta:
         return False
+    rotary = None if rotary_module is None else model.get_submodule(rotary_module)
+    # A table of sines and cosines instead of frequencies (GPT-J, CodeGen) is in interleaved pairs.
+    movable = rotary is not None and any(name.endswith("inv_freq") for name, _ in rotary.named_buffers())
+    length, shift = 4, 13  # within any original context: dynamic and LongRoPE rotaries keep their short frequencies
     ids = (torch.arange(length, device=embeddings.device) * 7 + 3)[None] % embeddings.shape[0]
+    attention = attention_modules(model)
+    reached: set[int] = set()
+
+    def note(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if kwargs.get(_PROBE_KWARG) is True:
+            reached.add(id(module))
+
+    handles = [module.register_forward_pre_hook(note, with_kwargs=True) for module in attention.values()]
     modes = {module: module.training for module in model.modules()}
-    model.eval()  # dropout would make the two runs differ
+    model.eval()  # dropout would make the runs differ
     try:
         keys = []
-        for start in (0, shift):
+        for start in (0, shift) if movable else (0,):
             cache = DynamicCache()
             positions = torch.arange(start, start + length, device=ids.device)[None]
-            model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache})
+            model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache, _PROBE_KWARG: True})
             keys.append([layer.keys.float() for layer in cache.layers])
     finally:
+        for handle in handles:
+            handle.remove()
         for module, training in modes.items():
             module.train(training)
+    if len(reached) < len(attention):
+        raise TypeError(
+            f"{type(model).__name__}'s layers do not hand the forward's keyword arguments on to their attention, "
+            "which CCM needs to give every attention layer its <COMP> masks and memory."
+        )
+    if not movable:
+        return False
+    rotation = KeyRotation.of_model(model, rotary_module)
     # Moving keys by the wrong rotation errs by about their size; rounding through the layers, by far less.
     tolerance = 1e-3 if embeddings.dtype == torch.float32 else 1e-1
-    return len(keys[0]) == config.num_hidden_layers and all(
+    return len(keys[0]) == model.config.get_text_config(decoder=True).num_hidden_layers and all(
         (rotation.shift(index, at_start, torch.full((length,), shift)) - shifted).norm() <= tolerance * shifted.norm()
         for index, (at_start, shifted) in enumerate(zip(*keys, strict=True))
     )
