@@ -6,6 +6,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     BloomConfig,
+    DeepseekV3Config,
     JambaConfig,
     Lfm2Config,
     Llama4TextConfig,
@@ -59,6 +60,20 @@ def test_a_model_whose_layers_drop_keyword_arguments_is_refused_and_left_as_it_w
         CCMForCausalLM.from_base(base, CCMConfig(update="merge"))
     assert {name: (type(module), module.training) for name, module in base.named_modules()} == modules
     assert {name: dict(module._forward_pre_hooks) for name, module in base.named_modules()} == hooks
+
+
+def test_a_model_that_caches_a_latent_instead_of_keys_is_refused_and_left_as_it_was():
+    """DeepSeek-V3's multi-head latent attention caches a compressed latent per token: it was wrapped, and every
+    call failed on a shape."""
+    config = DeepseekV3Config(
+        **_SMALL, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8
+    )
+    base = AutoModelForCausalLM.from_config(config)
+    modules = {name: type(module) for name, module in base.named_modules()}
+    with pytest.raises(TypeError, match=r"shapes \[\(1, 1, 4, 16\)\] for 4 tokens, not the keys of its \d+ key/value"):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+    assert not hasattr(base, "peft_config")
 
 
 def test_encoder_decoder_is_refused():

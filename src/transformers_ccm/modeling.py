@@ -449,7 +449,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def cache_spec(self) -> CacheSpec:
         """What this model's caches need to know of it (shapes, positions, rotary frequencies, signature)."""
         text_config = self._text_config
-        heads = text_config.num_attention_heads
+        kv_heads, head_dim = _key_shape(text_config)
         # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
         rotation = rebase_rotation = None
         if self._keys_movable:
@@ -459,8 +459,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             config=self.config,
             signature=self.memory_signature(),
             num_layers=text_config.num_hidden_layers,
-            kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
             dtype=self.dtype,
             device=self.device,
             rotation=rotation,
@@ -1321,6 +1321,14 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
             f"{type(model).__name__}'s layers do not hand the forward's keyword arguments on to their attention, "
             "which CCM needs to give every attention layer its <COMP> masks and memory."
         )
+    kv_heads, head_dim = _key_shape(model.config.get_text_config(decoder=True))
+    cached = {tuple(layer_keys.shape) for layer_keys in keys[0]}
+    if cached != {(1, kv_heads, length, head_dim)}:
+        raise TypeError(
+            f"{type(model).__name__} caches tensors of shapes {sorted(cached)} for {length} tokens, not the keys of "
+            f"its {kv_heads} key/value heads of size {head_dim} (a compressed latent, as multi-head latent attention): "
+            "CCM merges and re-rotates cached keys and values per head, so it cannot hold this model's memory."
+        )
     if not movable:
         return False
     rotation = KeyRotation.of_model(model, rotary_module)
@@ -1330,6 +1338,13 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
         (rotation.shift(index, at_start, torch.full((length,), shift)) - shifted).norm() <= tolerance * shifted.norm()
         for index, (at_start, shifted) in enumerate(zip(*keys, strict=True))
     )
+
+
+def _key_shape(text_config: PretrainedConfig) -> tuple[int, int]:
+    """The number of key/value heads and the size of each that a model's config gives."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return kv_heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
 
 
 def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> torch.Tensor:
