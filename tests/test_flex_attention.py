@@ -31,6 +31,7 @@ def logits(model, samples, kind):
         ("gemma2", {}),  # softcapping, eager
         ("qwen3", {}),
         ("gpt-neox", {"update": "merge"}),
+        ("gpt-oss", {"update": "merge"}),  # attention sinks, which flex attention left out
     ],
 )
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,6 +14,7 @@ from transformers import (
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GptOssConfig,
     LlamaConfig,
     LogitsProcessor,
     MistralConfig,
@@ -75,6 +76,8 @@ def _configs() -> dict[str, PretrainedConfig]:
         "cohere": CohereConfig(**_COMMON),
         "smollm3": SmolLM3Config(**_COMMON, no_rope_layer_interval=2),
         "gptj": GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=512),
+        # Attention sinks (a softmax logit per head), eager attention only; mixture-of-experts.
+        "gpt-oss": GptOssConfig(**_COMMON, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
         "gpt2": GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2
         ),
@@ -88,6 +91,7 @@ def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = _configs()[architecture]
     implementation = config._attn_implementation if architecture in ("llama-eager", "gemma2") else "sdpa"
+    implementation = "eager" if architecture == "gpt-oss" else implementation
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
 
 

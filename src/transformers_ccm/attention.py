@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
+from transformers.integrations.flex_attention import get_flex_attention_lse_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -104,6 +105,7 @@ def flex_attention_forward(
     scaling: float | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a block-sparse mask (blocks no query sees are skipped): compiled on accelerators, eager
@@ -111,6 +113,7 @@ def flex_attention_forward(
 
     Args:
         query: `(batch, heads, seq, head_dim)`; key, value: `(batch, kv_heads, keys, head_dim)`.
+        s_aux: `(heads,)` attention-sink logits (GPT-OSS), or None.
     """
     if dropout:
         raise ValueError(
@@ -130,7 +133,14 @@ def flex_attention_forward(
         score_mod=softcapped if softcap else None,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        **get_flex_attention_lse_kwargs(s_aux is not None),
     )
+    if s_aux is not None:
+        output, aux = output
+        lse = getattr(aux, "lse", aux)  # `(batch, heads, seq)` float32; torch < 2.9 returns it in place of `aux`
+        # A sink is one more logit per head in every query's softmax, with no value: the attention it takes scales
+        # the output by sum / (sum + exp(sink)), as the model's eager attention computes it.
+        output = output * torch.sigmoid(lse - s_aux.float()[None, :, None])[..., None].to(output.dtype)
     return output.transpose(1, 2).contiguous(), None
 
 

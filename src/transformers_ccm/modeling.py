@@ -104,6 +104,7 @@ TESTED_MODEL_TYPES = (
     "cohere",
     "smollm3",
     "gptj",
+    "gpt_oss",
     "gpt2",
 )
 
