@@ -16,7 +16,9 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from tiny_models import randomize_adapter, tiny_base
+from ccm_reference import reference_logits
+from test_online import online_logits, parallel_logits
+from tiny_models import MORE_ARCHITECTURES, more_tiny_base, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.lora import lora_layers
 
@@ -269,3 +271,32 @@ def test_keys_that_cannot_be_re_rotated_refuse_streaming_and_re_basing(architect
     with pytest.raises(ValueError, match=r"past the model's 512 positions, which cannot be moved .*Start a new cache"):
         model.compress(cache, context)
     assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, memory, strict=True))
+
+
+@pytest.mark.parametrize("model_type", MORE_ARCHITECTURES)
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_more_architectures_are_exact_and_their_adapters_load(model_type, update, tmp_path):
+    """The parallel forward equals the step-by-step recursion and the online path, greedy generate() equals
+    teacher-forced decoding, and a saved adapter loads to the same logits."""
+    model = randomize_adapter(CCMForCausalLM.from_base(more_tiny_base(model_type), CCMConfig(update=update)))
+    samples = [OnlineSample([[5, 6, 7, 8], [9, 10]], [20, 21, 22], [23, 24]), OnlineSample([[11, 12]], [30], [31])]
+    parallel = parallel_logits(model, samples)
+    for row, sample in enumerate(samples):
+        expected = reference_logits(model, sample.contexts, [*sample.input, *sample.output])
+        assert (parallel[row] - expected).abs().max() <= 1e-4
+    for side in ("left", "right"):
+        for online, from_parallel in zip(online_logits(model, samples, side), parallel, strict=True):
+            assert (online - from_parallel).abs().max() <= 1e-4
+    contexts, prompt = [[5, 6, 7], [8, 9]], [20, 21]
+    cache = model.new_cache()
+    for context in contexts:
+        model.compress(cache, torch.tensor([context]))
+    generated = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=5, do_sample=False)
+    expected_tokens = list(prompt)
+    for _ in range(5):
+        row = parallel_logits(model, [OnlineSample(contexts, prompt, expected_tokens[len(prompt) :])])[0]
+        expected_tokens.append(int(row[-1].argmax()))
+    assert generated[0].tolist() == expected_tokens
+    model.save_pretrained(tmp_path)
+    loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=more_tiny_base(model_type))
+    assert torch.equal(parallel_logits(loaded, samples)[0], parallel[0])

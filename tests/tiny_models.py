@@ -7,6 +7,7 @@ import functools
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     CohereConfig,
     Gemma2Config,
@@ -85,6 +86,45 @@ def _configs() -> dict[str, PretrainedConfig]:
 
 
 ARCHITECTURES = tuple(_configs())
+
+
+def _more_configs() -> dict[str, PretrainedConfig]:
+    """Tiny configs of more architectures CCM runs exactly, by transformers' model type (one test each)."""
+    rotary_at = dict(_COMMON, head_dim=8)
+    without_groups = {key: value for key, value in _COMMON.items() if key != "num_key_value_heads"}
+    classic = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
+    configs = {
+        "qwen3_moe": dict(rotary_at, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        "qwen2_moe": dict(
+            _COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+        ),
+        "gemma": rotary_at,
+        "cohere2": _COMMON,
+        "opt": dict(without_groups, ffn_dim=64, word_embed_proj_dim=32),
+        "phi": dict(_COMMON, partial_rotary_factor=0.5),
+        "starcoder2": _COMMON,
+        "olmo2": _COMMON,
+        "olmo3": _COMMON,
+        "granite": dict(_COMMON, attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5),
+        "granitemoe": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "gpt_bigcode": classic,
+        "codegen": dict(classic, rotary_dim=4, n_ctx=512),
+        "glm": rotary_at,
+        "glm4": rotary_at,
+        "helium": rotary_at,
+        "exaone4": _COMMON,
+        "persimmon": without_groups,
+    }
+    return {name: AutoConfig.for_model(name, **settings) for name, settings in configs.items()}
+
+
+MORE_ARCHITECTURES = tuple(_more_configs())
+
+
+def more_tiny_base(model_type: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny random model of one of `MORE_ARCHITECTURES`."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(_more_configs()[model_type]).eval()
 
 
 def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:
