@@ -5,6 +5,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    BertConfig,
+    BertLMHeadModel,
     BloomConfig,
     DeepseekV3Config,
     JambaConfig,
@@ -62,6 +64,20 @@ def test_a_model_whose_layers_drop_keyword_arguments_is_refused_and_left_as_it_w
         CCMForCausalLM.from_base(base, CCMConfig(update="merge"))
     assert {name: (type(module), module.training) for name, module in base.named_modules()} == modules
     assert {name: dict(module._forward_pre_hooks) for name, module in base.named_modules()} == hooks
+
+
+def test_a_decoder_with_cross_attention_it_does_not_run_is_wrapped_and_exact():
+    """A BERT decoder with cross-attention layers (which run only given an encoder's states) was refused as a model
+    whose layers drop the forward's keyword arguments."""
+    torch.manual_seed(0)
+    config = BertConfig(**_SMALL, is_decoder=True, add_cross_attention=True)
+    model = randomize_adapter(CCMForCausalLM.from_base(BertLMHeadModel(config).eval(), CCMConfig(update="merge")))
+    samples = [OnlineSample([[5, 6, 7], [8, 9]], [20, 21], [22]), OnlineSample([[10, 11]], [30], [31, 32])]
+    for sample, parallel, online in zip(
+        samples, parallel_logits(model, samples), online_logits(model, samples), strict=True
+    ):
+        expected = reference_logits(model, sample.contexts, [*sample.input, *sample.output])
+        assert (parallel - expected).abs().max() <= 1e-4 and (online - parallel).abs().max() <= 1e-4
 
 
 def test_a_model_that_caches_a_latent_instead_of_keys_is_refused_and_left_as_it_was():

@@ -1314,11 +1314,12 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
     length, shift = 4, 13  # within any original context: dynamic and LongRoPE rotaries keep their short frequencies
     ids = (torch.arange(length, device=embeddings.device) * 7 + 3)[None] % embeddings.shape[0]
     attention = attention_modules(model)
-    reached: set[int] = set()
+    # Whether each attention layer that ran received the keyword argument (cross-attention without an encoder,
+    # as in a BERT decoder, does not run).
+    reached: dict[int, bool] = {}
 
     def note(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if kwargs.get(_PROBE_KWARG) is True:
-            reached.add(id(module))
+        reached[id(module)] = reached.get(id(module), True) and kwargs.get(_PROBE_KWARG) is True
 
     handles = [module.register_forward_pre_hook(note, with_kwargs=True) for module in attention.values()]
     modes = {module: module.training for module in model.modules()}
@@ -1335,7 +1336,7 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
             handle.remove()
         for module, training in modes.items():
             module.train(training)
-    if len(reached) < len(attention):
+    if not all(reached.values()):
         raise TypeError(
             f"{type(model).__name__}'s layers do not hand the forward's keyword arguments on to their attention, "
             "which CCM needs to give every attention layer its <COMP> masks and memory."
