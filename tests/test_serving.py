@@ -675,6 +675,42 @@ def test_a_batch_operation_given_indices_of_another_dtype_is_refused(tmp_path, s
     assert cache.batch_size == 1
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    select=st.sampled_from(["batch_select_indices", "reorder_cache"]),
+    indices=st.lists(st.integers(-4, 4), min_size=1, max_size=4),
+)
+def test_a_batch_operation_given_rows_the_cache_lacks_is_refused_naming_them(streaming, select, indices):
+    """Row indices past the cache's rows (reorder_cache: or negative) failed inside torch with a bare IndexError, and
+    on a GPU with a device-side assert that ends the process; indices of rows it holds select those rows."""
+    cache = _two_users(streaming).copy()
+    before = snapshot(cache)
+    lowest = -2 if select == "batch_select_indices" else 0
+    outside = [index for index in indices if not lowest <= index < 2]
+    if outside:
+        with pytest.raises(ValueError, match=re.escape(f"row indices {outside} outside {lowest} to 1, the cache hold")):
+            getattr(cache, select)(torch.tensor(indices))
+        assert_same(snapshot(cache), before)
+        return
+    getattr(cache, select)(torch.tensor(indices))
+    rows = [index % 2 for index in indices]
+    assert cache.next_position.tolist() == [before["rows"]["next_position"][row].item() for row in rows]
+    for layer, held in zip(cache.layers, before["layers"], strict=True):
+        assert torch.equal(layer.keys, held["keys"][rows])
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_row_mask_of_another_length_than_the_batch_is_refused(streaming):
+    """A bool mask of fewer or more rows than the cache failed inside torch with a bare IndexError."""
+    cache = _two_users(streaming)
+    before = snapshot(cache)
+    for mask in ([True], [True, False, True]):
+        with pytest.raises(ValueError, match=rf"a mask of {len(mask)} rows, but the cache holds 2; give one True"):
+            cache.batch_select_indices(torch.tensor(mask))
+    assert_same(snapshot(cache), before)
+
+
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):
     model = tiny_ccm("llama", update="merge")
     failed, clean = _filled(model), _filled(model)

@@ -964,10 +964,20 @@ class CompressedMemoryCache(Cache):
         self.compressed_in_window = max(0, self.compressed_in_window - count)
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
-    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
+    def _map_batch(
+        self,
+        function: Callable[[torch.Tensor], torch.Tensor],
+        call: str,
+        indices: torch.Tensor | None = None,
+        negative: bool = False,
+    ) -> None:
+        """Apply `function` to every per-row tensor; `indices`, the rows it selects (from the end too where
+        `negative`), are checked first."""
         with self.transaction():  # whole or not at all, and never under another thread's call
             # Nor under a call of this thread (a streamer's): its rows would change users under the running call.
             self.check_no_call(call)
+            if indices is not None:  # checked once claimed: the batch size cannot change before the selection
+                _check_rows_in_range(indices, self.batch_size, call, negative)
             rows = self.rows.map(function)
             if rows.next_position.shape[0] == 0:
                 # A cache of no row saves a file that `load` refuses, and every call on it fails inside torch.
@@ -984,14 +994,14 @@ class CompressedMemoryCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         _check_row_indices(beam_idx, "cache.reorder_cache()")
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()")
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "cache.batch_repeat_interleave()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         _check_row_indices(indices, "cache.batch_select_indices()", masks=True)
-        self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()")
+        self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()", indices, negative=True)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -1429,6 +1439,26 @@ def _check_row_indices(indices: Any, call: str, masks: bool = False) -> None:
         raise TypeError(
             f"{call} takes row indices of dtype torch.int64 or torch.int32{mask}, such as torch.tensor([2, 0]); got "
             f"dtype {indices.dtype}."
+        )
+
+
+def _check_rows_in_range(indices: torch.Tensor, batch_size: int, call: str, negative: bool) -> None:
+    """Raise unless the checked `indices` (`_check_row_indices`) name rows of a cache of `batch_size` rows, counted
+    from the end too where `negative` (as indexing counts them): torch failed with a bare IndexError on the CPU, and on
+    a GPU with a device-side assert that ends the process."""
+    if indices.dtype == torch.bool:
+        if indices.shape[0] != batch_size:
+            raise ValueError(
+                f"{call} was given a mask of {indices.shape[0]} rows, but the cache holds {batch_size}; give one "
+                "True or False per row."
+            )
+        return
+    lowest = -batch_size if negative else 0
+    outside = indices[(indices < lowest) | (indices >= batch_size)]
+    if outside.numel():
+        raise ValueError(
+            f"{call} was given row indices {outside.tolist()} outside {lowest} to {batch_size - 1}, the cache holding "
+            f"{batch_size} rows; give indices of rows it holds."
         )
 
 
