@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -709,6 +710,30 @@ def test_a_row_mask_of_another_length_than_the_batch_is_refused(streaming):
         with pytest.raises(ValueError, match=rf"a mask of {len(mask)} rows, but the cache holds 2; give one True"):
             cache.batch_select_indices(torch.tensor(mask))
     assert_same(snapshot(cache), before)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("repeats", "error", "message"),
+    [
+        (-1, ValueError, "copies per row of 1 or more, such as 2; got -1"),
+        (2.0, TypeError, "a whole number of copies per row, such as 2; got 2.0"),
+        (True, TypeError, "a whole number of copies per row, such as 2; got True"),
+        ("2", TypeError, "a whole number of copies per row, such as 2; got '2'"),
+    ],
+)
+def test_batch_repeat_interleave_refuses_a_count_that_is_no_whole_number_of_copies(streaming, repeats, error, message):
+    """A negative count failed inside torch with a RuntimeError, and a float, a bool or a string with torch's list of
+    its overloads; a NumPy or 0-d tensor integer repeats the rows as an int does."""
+    cache = _two_users(streaming)
+    before = snapshot(cache)
+    with pytest.raises(error, match=re.escape(message)):
+        cache.batch_repeat_interleave(repeats)
+    assert_same(snapshot(cache), before)
+    for count in (np.int64(2), torch.tensor(2)):
+        copied = cache.copy()
+        copied.batch_repeat_interleave(count)
+        assert copied.next_position.tolist() == cache.next_position.repeat_interleave(2).tolist()
 
 
 def test_compress_after_a_failed_compress_folds_the_same_memory(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import operator
 import os
 import re
 import reprlib
@@ -997,7 +998,16 @@ class CompressedMemoryCache(Cache):
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), "cache.batch_repeat_interleave()")
+        call = "cache.batch_repeat_interleave()"
+        try:
+            if isinstance(repeats, bool):
+                raise TypeError
+            count = operator.index(repeats)  # an int, a NumPy integer or a 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"{call} takes a whole number of copies per row, such as 2; got {repeats!r}.") from None
+        if count < 0:
+            raise ValueError(f"{call} takes a number of copies per row of 1 or more, such as 2; got {count}.")
+        self._map_batch(lambda t: t.repeat_interleave(count, dim=0), call)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         _check_row_indices(indices, "cache.batch_select_indices()", masks=True)
