@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from fault_injection import assert_same, snapshot
 from streaming_reference import ReferenceStream
 from test_sliding_window import windowed_model
 from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm, tiny_longrope_base
@@ -206,6 +207,36 @@ def test_a_split_input_returns_the_hidden_states_of_its_pieces_and_refuses_atten
     with pytest.raises(ValueError, match=f"pass at most {SMALL.max_forward_tokens} tokens per call"):
         model(input_ids=ids, past_key_values=cache, output_attentions=True)
     assert cache.turn_tokens == before.turn_tokens and torch.equal(cache.layers[0].keys, before.layers[0].keys)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(length=st.integers(1, 3 * SMALL.max_forward_tokens), output=st.sampled_from(["attentions", "hidden_states"]))
+def test_generate_refuses_the_attentions_and_hidden_states_of_a_prompt_it_runs_in_pieces(length, output):
+    """generate() ran a prompt longer than a stream's forward in pieces and returned the attentions or hidden states
+    of its last piece alone, as if they were the prompt's; such a prompt is refused, a shorter one gets all of its
+    tokens', and the stream goes on from earlier tokens fed with model(...) as from a whole prompt."""
+    model = tiny_ccm("llama-eager", num_comp_tokens=2)
+    ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    cache = model.new_cache(1, streaming=SMALL)
+    model(input_ids=torch.randint(3, VOCAB, (1, 7)), past_key_values=cache)
+    before = snapshot(cache)
+    asked = {"return_dict_in_generate": True, f"output_{output}": True, "max_new_tokens": 2, "do_sample": False}
+    step = SMALL.max_forward_tokens
+    if length > step:
+        with pytest.raises(ValueError, match=rf"output_{output} with {length} tokens.* pass at most {step} tokens"):
+            model.generate(ids, past_key_values=cache, **asked)
+        assert_same(snapshot(cache), before)
+    whole = model.generate(ids, past_key_values=cache.copy(), max_new_tokens=2, do_sample=False)
+    # generate() runs pieces of `step` tokens, then the rest: fed so, the stream holds the same (its outputs depend on
+    # how the tokens are split, each piece attending to the window as it was before it).
+    split = step * ((length - 1) // step)
+    earlier, last = ids[:, :split], ids[:, split:]
+    if earlier.shape[1]:
+        model(input_ids=earlier, past_key_values=cache)
+    out = model.generate(last, past_key_values=cache, **asked)
+    assert torch.equal(out.sequences[:, -2:], whole[:, -2:])
+    first_step = getattr(out, output)[0][-1]  # the last layer's, at the prompt's forward
+    assert first_step.shape[-2] == last.shape[1]
 
 
 def test_streaming_forward_loss_is_the_mean_next_token_loss():

@@ -683,6 +683,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     )
                 # Saved on the base model for its own caches (transformers refuses it beside a given cache).
                 kwargs["cache_implementation"] = None
+            if settings.return_dict_in_generate:
+                asked = [name for name in ("output_attentions", "output_hidden_states") if getattr(settings, name)]
+                _check_one_piece(
+                    cache,
+                    prompt.shape[1],
+                    asked,
+                    "generate() would return those of the prompt's last piece alone",
+                    " (feed the earlier tokens with model(...) first: the stream goes on from them)",
+                )
             num_sequences = settings.num_return_sequences or 1
             expand = max(settings.num_beams or 1, num_sequences)
             with self._gate.scope(), self._unchanged_since(state, "generate()"):
@@ -773,12 +782,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         "only is fine beside rows with tokens)."
                     )
             step = cache.max_forward_tokens
-            if kwargs.get("output_attentions") and step is not None and tokens.shape[1] > step:
-                raise ValueError(
-                    f"output_attentions with {tokens.shape[1]} tokens, which the stream runs in pieces of {step} that "
-                    "each attend to a different window (no one attention map covers them); pass at most "
-                    f"{step} tokens per call."
-                )
+            asked = ["output_attentions"] if kwargs.get("output_attentions") else []
+            _check_one_piece(cache, tokens.shape[1], asked, "no one attention map covers them")
             with self._gate.scope(), self._unchanged_since(state, "model(...)"):
                 self._run_pending(cache)
                 if step is None or tokens.shape[1] <= step:
@@ -1410,6 +1415,17 @@ def _changed_during(call: str) -> ValueError:
         "another thread), so the call mixed two models; the cache is left as it was, and belongs to the model before "
         "the change. Change a serving model only while no call runs on it (or serve from another copy of the model)."
     )
+
+
+def _check_one_piece(cache: CompressedMemoryCache, length: int, asked: list[str], why: str, how: str = "") -> None:
+    """Raise if the outputs `asked` (output_attentions, ...) cover an input of `length` tokens that a stream runs in
+    pieces (each attending to another window); `why` they cannot, `how` else to give the tokens."""
+    step = cache.max_forward_tokens
+    if asked and step is not None and length > step:
+        raise ValueError(
+            f"{' and '.join(asked)} with {length} tokens, which the stream runs in pieces of {step} that each attend "
+            f"to a different window ({why}); pass at most {step} tokens per call{how}."
+        )
 
 
 def _check_is_cache(cache: Any) -> None:
