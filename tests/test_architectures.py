@@ -1,7 +1,11 @@
 """Which models CCM wraps, and the errors for those it cannot."""
 
+import copy
+
 import pytest
 import torch
+from accelerate import cpu_offload, disk_offload, dispatch_model
+from accelerate.hooks import remove_hook_from_module
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -19,8 +23,9 @@ from transformers import (
 )
 
 from ccm_reference import reference_logits
+from fault_injection import assert_same, snapshot
 from test_online import online_logits, parallel_logits
-from tiny_models import MORE_ARCHITECTURES, more_tiny_base, randomize_adapter, tiny_base
+from tiny_models import MORE_ARCHITECTURES, more_tiny_base, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.lora import lora_layers
 
@@ -166,6 +171,59 @@ def test_cpu_entries_beside_an_accelerator_count_as_offloaded_and_a_cpu_only_map
     beside_a_gpu.hf_device_map = {"model": 0, "lm_head": "cpu"}  # what accelerate records for such a map
     with pytest.raises(ValueError, match=r"offloads \(lm_head in its device_map\)"):
         CCMForCausalLM.from_base(beside_a_gpu, CCMConfig())
+
+
+OFFLOADS = {
+    "cpu_offload of the base": lambda model, _: cpu_offload(model.base_model, torch.device("cpu")),
+    "cpu_offload of the model": lambda model, _: cpu_offload(model, torch.device("cpu")),
+    "disk_offload": lambda model, folder: disk_offload(model.base_model, folder, torch.device("cpu")),
+    "dispatch_model": lambda model, folder: dispatch_model(
+        model.base_model,
+        {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu"}
+        | {"model.rotary_emb": "cpu", "lm_head": "cpu"},
+        offload_dir=folder,
+    ),
+}
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_a_model_offloaded_by_accelerate_after_wrapping_is_refused_and_its_cache_left_as_it_was(offload, tmp_path):
+    """Offloading once CCM wrapped the model left its weights on the meta device: new_cache() failed with "Cannot copy
+    out of meta tensor", and compress() blamed a change made by another thread (the hooks swap the weights in)."""
+    model = copy.deepcopy(tiny_ccm("llama", update="merge"))
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+    before = snapshot(cache)
+    OFFLOADS[offload](model, tmp_path / "offload")
+    calls = {
+        "new_cache": lambda: model.new_cache(),
+        "compress": lambda: model.compress(cache, torch.tensor([[11, 12]])),
+        "generate": lambda: model.generate(torch.tensor([[9, 10]]), past_key_values=cache, max_new_tokens=2),
+        "forward": lambda: model(input_ids=torch.tensor([[9, 10]]), past_key_values=cache),
+        "training forward": lambda: model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])])),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=r"(meta device|offloads).*device_map='cpu'.*remove_hook_from_module"):
+            call()
+    assert_same(snapshot(cache), before)
+
+
+@pytest.mark.parametrize("offload", [name for name in OFFLOADS if name != "dispatch_model"])
+def test_a_model_refused_while_offloaded_computes_as_before_once_the_hooks_are_removed(offload, tmp_path):
+    """accelerate swaps the weights without torch's registration hooks: the first call after the hooks were removed
+    held the model to the offloaded weights it had listed when it refused a call, and failed as if another thread
+    had changed them."""
+    model = copy.deepcopy(tiny_ccm("llama", update="merge"))
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+    expected = model(input_ids=torch.tensor([[9, 10]]), past_key_values=copy.deepcopy(cache)).logits
+    OFFLOADS[offload](model, tmp_path / "offload")
+    with pytest.raises(ValueError, match="meta device"):
+        model.compress(cache, torch.tensor([[11, 12]]))
+    remove_hook_from_module(model, recurse=True)
+    torch.testing.assert_close(
+        model(input_ids=torch.tensor([[9, 10]]), past_key_values=cache).logits, expected, rtol=0, atol=0
+    )
 
 
 def test_from_base_loads_a_local_path(tmp_path):

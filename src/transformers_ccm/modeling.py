@@ -290,14 +290,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def _check_wrapping(self) -> None:
         """Raise if the base model was switched away from how CCM runs it after it was wrapped: its attention
-        (another lacks CCM's memory and <COMP> masks), or PEFT's own LoRA path (which adds the LoRA at every token,
-        besides the gate's)."""
+        (another lacks CCM's memory and <COMP> masks), its weights (offloaded by accelerate), or PEFT's own LoRA path
+        (which adds the LoRA at every token, besides the gate's)."""
         current = self.base_model.config._attn_implementation
         if wrapped_implementation(current) is None:
             raise ValueError(
                 f"The base model's attention is {current!r}, which lacks CCM's memory and <COMP> masks (it was "
                 "switched after the model was wrapped); switch with model.set_attn_implementation('sdpa' or 'eager')."
             )
+        self._check_in_place()
         enabled = [layer for layer in self._listing()[1] if not layer.disable_adapters]
         if enabled:
             raise ValueError(
@@ -306,6 +307,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "layer.enable_adapters(False): CCM runs the LoRA itself (use model.adapter_disabled() for the base "
                 "model alone)."
             )
+
+    def _check_in_place(self) -> None:
+        """`_check_weights_in_place` for this model, reading every weight only where accelerate's hooks are on it (a
+        walk costs milliseconds per call). Those hooks replace weights without torch's registration hooks: the weights
+        are listed again at the next call, so that once they are removed a call does not hold the model to the
+        offloaded weights, and fail as if another thread changed them."""
+        hooked = any(hasattr(module, "_hf_hook") for module in (self, self.base_model))
+        if hooked:
+            self._listed = None
+        _check_weights_in_place(self, self.base_model, read_all=hooked)
 
     def _release_base(self) -> None:
         """Give `base_model` back as it was before this model was built around it (a load into a caller's model
@@ -897,6 +908,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         Digests are recomputed only after a weight changed (tracked by tensor version counters), so asking at
         every call is cheap.
         """
+        self._check_in_place()
         signature = self._signature(self._state())
         # A copy: the model keeps the settings it read to compare at every call, which the caller may change.
         return {**signature, "base_config": copy.deepcopy(signature["base_config"])}
@@ -1215,14 +1227,7 @@ def _check_supported(model: PreTrainedModel) -> None:
         )
     if not attention_modules(model):
         raise TypeError(f"{name}: found no attention layers (modules named *Attention with a layer_idx).")
-    offloaded = _offloaded_modules(model)
-    if offloaded:
-        raise ValueError(
-            f"{name} has modules that accelerate offloads ({', '.join(offloaded[:3])}"
-            f"{' ...' if len(offloaded) > 3 else ''} in its device_map): their weights are loaded per forward, "
-            "and the LoRA layers CCM adds there would hold no weights. Load the base model with every module on "
-            "a GPU or all on the CPU (device_map='auto' with enough max_memory, or device_map='cpu')."
-        )
+    _check_weights_in_place(model, model, read_all=True)
     if model.config.model_type not in TESTED_MODEL_TYPES:
         logger.warning(
             "transformers-ccm has not been tested with model type %r; known to work: %s.",
@@ -1237,6 +1242,27 @@ def _offloaded_modules(model: PreTrainedModel) -> list[str]:
     placement = {name: str(device) for name, device in (getattr(model, "hf_device_map", None) or {}).items()}
     accelerators = set(placement.values()) - {"cpu", "disk"}
     return sorted(name for name, device in placement.items() if device == "disk" or (device == "cpu" and accelerators))
+
+
+def _check_weights_in_place(model: nn.Module, base_model: PreTrainedModel, read_all: bool = False) -> None:
+    """Raise if weights of `model` (`base_model`, or a `CCMForCausalLM` around it) are not held where they run:
+    accelerate offloads them (a device map with offloaded entries; `cpu_offload`, `disk_offload`, also once CCM
+    wrapped the model), loading them per forward, or they were never loaded (the meta device). A LoRA layer added
+    there holds no weights, their digests cannot be read, and a forward swaps them in and out. Every parameter is
+    read only with `read_all` (a walk costs milliseconds)."""
+    offloaded = _offloaded_modules(base_model)
+    where = f"has modules that accelerate offloads ({', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''}"
+    where += " in its device_map)"
+    if not offloaded and read_all:
+        offloaded = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+        where = f"has weights on the meta device ({', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''})"
+    if offloaded:
+        raise ValueError(
+            f"{type(model).__name__} {where}: they are loaded per forward (or were never loaded), which CCM does not "
+            "support. Load the base model with every module on a GPU or all on the CPU (device_map='auto' with enough "
+            "max_memory, or device_map='cpu'), and undo cpu_offload or disk_offload with "
+            "accelerate.hooks.remove_hook_from_module(model, recurse=True)."
+        )
 
 
 def _use_ccm_attention(model: PreTrainedModel) -> None:
