@@ -896,6 +896,23 @@ def test_weights_beyond_the_models_range_change_nothing(tmp_path):
         _adapter(None, seed=9).to(torch.float16).load_adapter(tmp_path / "large")
 
 
+def test_the_float32_adapter_of_a_float16_base_takes_values_past_float16_and_names_float32_beyond_it(tmp_path):
+    """The adapter of a half-precision base is float32: a value past float16's range loads, one past float32's is
+    refused under float32's name, not the base model's dtype."""
+    half_base = CCMForCausalLM.from_base(tiny_base("llama").to(torch.float16), CCMConfig())
+    _adapter(None).save_pretrained(tmp_path / "large")
+    _rewrite_weights(
+        tmp_path / "large" / "adapter_model.safetensors",
+        lambda tensors: {**tensors, "ccm.comp_embeddings": torch.full_like(tensors["ccm.comp_embeddings"], 1e5)},
+    )
+    half_base.load_adapter(tmp_path / "large")
+    assert bool((half_base.comp_embeddings == 1e5).all())
+    _adapter(None).save_pretrained(tmp_path / "huge")
+    _rewrite_weights(tmp_path / "huge" / "adapter_model.safetensors", _beyond_float32)
+    with pytest.raises(ValueError, match=r"values beyond the range of torch\.float32: \['.*lora_B"):
+        half_base.load_adapter(tmp_path / "huge")
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_adapter_weights_stored_as_8_bit_floats_load_as_their_values(tmp_path, dtype):
     """`torch.isfinite` has no kernel for float8_e4m3fn: checking such weights failed with a NotImplementedError."""

@@ -48,7 +48,8 @@ def test_a_model_cast_after_wrapping_streams_as_one_wrapped_after_casting(archit
     """The rotary frequencies were read when the model was wrapped: a cast after it rounded those the model rotates
     keys with, and the stream's re-rotation, still using the unrounded ones, moved keys to other positions."""
     cast_after = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig())).to(dtype)
-    cast_before = CCMForCausalLM.from_base(tiny_base(architecture).to(dtype), CCMConfig()).eval()
+    # Its adapter, float32 on a half-precision base, cast too: the two models then differ in when the base was cast.
+    cast_before = CCMForCausalLM.from_base(tiny_base(architecture).to(dtype), CCMConfig()).to(dtype).eval()
     cast_before.load_state_dict(cast_after.state_dict())
     ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(0))
     logits = []

@@ -161,3 +161,25 @@ def test_precision_benchmark_trains_both_copies_side_by_side(tiny_model):
         # The same weights and batch at the first step: the losses differ by rounding only.
         assert row["bf16"]["loss"][0] == pytest.approx(row["fp32"]["loss"][0], abs=1e-2)
         assert row["bf16"]["loss"][0] != row["fp32"]["loss"][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_adapter_of_a_half_precision_base_is_float32_and_every_weight_trains(tmp_path, dtype):
+    """On a bfloat16 (or float16) base the adapter was built in that dtype, and an optimizer step below half the
+    spacing of its values (1e-4 on a bfloat16 weight of 0.3, spaced 2e-3) was rounded away: most of it never moved."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama").to(dtype), CCMConfig(lora_dropout=0.0)))
+    adapter = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert model.dtype == dtype and {parameter.dtype for parameter in adapter.values()} == {torch.float32}
+    before = {name: parameter.detach().clone() for name, parameter in adapter.items()}
+    recipe = TrainingRecipe(steps=2, batch_size=4, save_every=2, log_every=1, learning_rate=1e-4, precision="fp32")
+    train(model, None, [recall_sample(random.Random(i)) for i in range(8)], None, tmp_path / "out", recipe)
+    # Every element of every weight that reaches the loss moved: all but the last layer's <COMP> queries and
+    # attention outputs, which nothing reads.
+    unread = ("layers.1.self_attn.q_proj.", "layers.1.self_attn.o_proj.")
+    assert all(bool((adapter[name] != before[name]).all()) for name in adapter if not any(u in name for u in unread))
+    saved = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert saved and all(tensor.dtype == torch.float32 for tensor in saved.values())
+    # The memory is kept in the base model's dtype, whatever the adapter's.
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[QUERY, 11, 41]]))
+    assert cache.layers[0].keys.dtype == dtype and cache.memory_bytes() > 0

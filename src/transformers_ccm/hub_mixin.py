@@ -264,7 +264,9 @@ class AdapterHubMixin:
             if k not in wrong and not bool(torch.isfinite(tensors[k].to(expected[k].dtype)).all())
         )
         if missing or unexpected or wrong or overflow:
-            labels = ("missing", "unexpected", "wrong shape", f"values beyond the range of {self.dtype}")
+            # The adapter's dtype, not the model's: on a float16 or bfloat16 base the adapter is float32.
+            ranges = ", ".join(sorted({str(expected[k].dtype) for k in overflow}))
+            labels = ("missing", "unexpected", "wrong shape", f"values beyond the range of {ranges}")
             problems = [
                 f"{label}: {names[:4]}{' ...' if len(names) > 4 else ''}"
                 for label, names in zip(labels, (missing, unexpected, wrong, overflow), strict=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import check_target_module_exists
+from peft.tuners.tuners_utils import cast_adapter_dtype, check_target_module_exists
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
@@ -85,6 +85,9 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
         _refuse_parameter_targets(model, lora_config, config, error)
         raise
     _refuse_parameter_targets(model, lora_config, config)
+    # As PEFT's get_peft_model does: on a float16 or bfloat16 base the LoRA weights are float32 (the gate casts at each
+    # use), or an optimizer step of 1e-4 on a bfloat16 weight of 0.3 (whose step is 2e-3) would be rounded away.
+    cast_adapter_dtype(model, ADAPTER_NAME)
 
 
 def _refuse_parameter_targets(

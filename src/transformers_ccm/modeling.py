@@ -1399,14 +1399,15 @@ def _key_shape(text_config: PretrainedConfig) -> tuple[int, int]:
 
 
 def _initial_comp_embeddings(model: PreTrainedModel, num_comp_tokens: int) -> torch.Tensor:
-    """`(n_comp, hidden)`: the mean of (embedded) vocabulary tokens, plus a little noise so the tokens differ."""
+    """`(n_comp, hidden)`: the mean of (embedded) vocabulary tokens, plus a little noise so the tokens differ; float32
+    on a float16 or bfloat16 base, as the LoRA (`inject_lora`), and cast at each use."""
     embedding = model.get_input_embeddings()
     sample = torch.randint(0, embedding.num_embeddings, (min(4096, embedding.num_embeddings),))
     with torch.no_grad():
         embedded = embedding(sample.to(embedding.weight.device)).float()
     mean, std = embedded.mean(dim=0), embedded.std(dim=0)
     noise = torch.randn(num_comp_tokens, mean.shape[-1], device=mean.device) * 0.1 * std
-    return (mean + noise).to(embedding.weight.dtype)
+    return (mean + noise).to(torch.promote_types(embedding.weight.dtype, torch.float32))
 
 
 def _as_mask(mask: Any, device: torch.device, entry: str) -> torch.Tensor:
