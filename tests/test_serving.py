@@ -1455,6 +1455,25 @@ def test_rotary_positions_are_rebased_exactly():
         assert torch.allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("update", ["merge", "ema"])
+def test_a_rebased_half_precision_average_stays_the_memory_it_is_cast_to(update, dtype):
+    """Re-basing rotated the memory attended to (the cast of its float32 average) and the average each by itself: the
+    memory, rounded twice, was no longer the average's cast, and the turn that passed the model's positions attended
+    to keys other than those a fold or a saved file holds."""
+    model = copy.deepcopy(tiny_ccm("llama", update=update)).to(dtype)
+    cache = model.new_cache(2)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([[100], [20]])  # only the first row reaches the model's 512 positions
+    mask = torch.arange(100)[None] < lengths
+    for _ in range(5):
+        model.compress(cache, torch.randint(3, VOCAB, (2, 100), generator=generator), attention_mask=mask)
+    model(input_ids=torch.randint(3, VOCAB, (2, 30), generator=generator), past_key_values=cache)
+    assert int(cache.rows.rebased[0]) > 0 and int(cache.rows.rebased[1]) == 0
+    for layer in cache.layers:
+        assert torch.equal(layer.memory()[0], layer.accumulated[0].to(dtype))
+
+
 def test_longrope_positions_are_rebased_with_the_long_factors_the_model_rotates_with_there():
     """Past its original context (64) a LongRoPE model rotates every position with its long factors: re-basing moved
     such keys with the short ones, and a model of 256 positions then disagreed with its twin of 4096."""

@@ -212,10 +212,15 @@ class MemoryLayer(DynamicLayer):
     def rebase(self, rotation: KeyRotation, layer_idx: int, delta: torch.Tensor) -> None:
         """Move every held key by `delta` `(batch,)` positions (relative positions stay exact)."""
         shift = delta[:, None].expand(-1, self.keys.shape[2])
-        self.keys = rotation.shift(layer_idx, self.keys, shift)
+        keys = rotation.shift(layer_idx, self.keys, shift)
         if self.accumulated is not None:
-            keys, values = self.accumulated
-            self.accumulated = rotation.shift(layer_idx, keys, shift[:, : keys.shape[2]]), values
+            average, values = self.accumulated
+            average = rotation.shift(layer_idx, average, shift[:, : average.shape[2]])
+            self.accumulated = average, values
+            # The memory stays the cast of its float32 average: its rotated cast was rounded twice (in bf16, keys
+            # one step of bf16 away from those a later fold, or a saved file, holds).
+            keys = torch.cat([average.to(keys.dtype), keys[:, :, average.shape[2] :]], dim=2)
+        self.keys = keys
 
     def held(self) -> dict[str, torch.Tensor]:
         """The per-user state between turns, by name: the memory, and the float32 average when it is not the
