@@ -355,6 +355,37 @@ def test_streaming_headers_with_values_of_the_wrong_type_are_refused(tmp_path, c
         CompressedMemoryCache.load(path, model)
 
 
+def test_a_half_precision_stream_loads_back_with_its_float32_keys_and_continues_as_it_would_have(tmp_path):
+    """A bfloat16 stream moves its keys in float32 (`float_keys`): the file holds them, so that the stream loaded goes
+    on exactly as the one saved; a file without them (an earlier release's) loads from its keys, and one whose keys
+    are not their cast is refused."""
+    model, caches = _bf16_merge_caches()
+    stream, path = caches["stream"], tmp_path / "stream.safetensors"
+    stream.save(path)
+    loaded = CompressedMemoryCache.load(path, model)
+    more = torch.tensor([list(range(30, 41))] * 2)
+    logits = [model(input_ids=more, past_key_values=cache).logits for cache in (stream, loaded)]
+    assert torch.equal(logits[0], logits[1])
+    for saved, again in zip(stream.layers, loaded.layers, strict=True):
+        assert torch.equal(saved.float_keys, again.float_keys) and torch.equal(saved.keys, again.keys)
+    stream.save(path)
+    _rewrite(path, tensors=_without("layers.1.float_keys"))
+    earlier = CompressedMemoryCache.load(path, model)
+    assert torch.equal(earlier.layers[1].float_keys, stream.layers[1].keys.float())
+    stream.save(path)
+
+    def edit(tensors):
+        keys = tensors["layers.0.float_keys"].clone()
+        keys[:, :, -1] += 1  # a window slot: the memory's average is checked first
+        return {**tensors, "layers.0.float_keys": keys}
+
+    _rewrite(path, tensors=edit)
+    with pytest.raises(
+        ValueError, match=r"'layers\.0\.keys' is not the cast of its float32 copy 'layers\.0\.float_keys'"
+    ):
+        CompressedMemoryCache.load(path, model)
+
+
 def _without_sink(tensors):
     return {**tensors, **{name: t[:, :, 2:].contiguous() for name, t in tensors.items() if name.startswith("layers.")}}
 

@@ -12,9 +12,10 @@ from transformers import DynamicCache
 from fault_injection import assert_same, snapshot
 from streaming_reference import ReferenceStream
 from test_sliding_window import windowed_model
-from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm, tiny_longrope_base
+from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm, tiny_longrope_base, tiny_wide_head_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.modeling import CACHE_ARGUMENT
+from transformers_ccm.streaming import KeyRotation
 
 ROTARY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt-neox", "olmo")
 SMALL = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
@@ -58,6 +59,26 @@ def test_a_model_cast_after_wrapping_streams_as_one_wrapped_after_casting(archit
         with torch.no_grad():
             logits.append(torch.cat([model(input_ids=p, past_key_values=cache).logits for p in ids.split(6, dim=1)], 1))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_window_key_moved_token_by_token_is_rounded_once(dtype):
+    """A window key moves back one position per token that enters a full window; rotated and rounded to bfloat16 at
+    each move, a key 99 moves old was up to 29% off the key rotated once (slow rotary frequencies move a value by
+    less than a rounding step, so those dimensions stopped turning), where one rounding is 0.4% at most."""
+    model = CCMForCausalLM.from_base(tiny_wide_head_base(), CCMConfig()).to(dtype)
+    cache = model.new_cache(streaming=StreamingConfig(window_tokens=148, sink_tokens=4, compress=False))
+    ids = torch.randint(3, VOCAB, (300, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for index, token in enumerate(ids):
+            model(input_ids=token[None], past_key_values=cache)
+            if index == 200:  # the window is full: the key enters at its last slot
+                entered, slot = cache.layers[0].keys[:, :, -1:].clone(), cache.kv_length - 1
+    moves = len(ids) - 1 - 200
+    rotation = KeyRotation.of_model(model.base_model, model._rotary_module)
+    exact = rotation.shift(0, entered.float(), torch.tensor([-moves]))
+    held = cache.layers[0].keys[:, :, slot - moves : slot - moves + 1].float()
+    torch.testing.assert_close(held, exact, rtol=2**-8, atol=1e-5)  # half a rounding step of either dtype
 
 
 def stream_logits(model, config, ids, piece):

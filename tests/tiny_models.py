@@ -151,6 +151,18 @@ def tiny_longrope_base(seed: int = 0) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+def tiny_wide_head_base(seed: int = 0) -> PreTrainedModel:
+    """A tiny random Llama with SmolLM2's head size (64) and rotary base (100000): most of its rotary frequencies move
+    a key by less than a bfloat16 rounding step per position."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        **{**_COMMON, "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1},
+        head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
 def tiny_llama_for(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
     """A tiny random Llama with `tokenizer`'s vocabulary and special tokens, for tests that need real text."""
     torch.manual_seed(seed)
