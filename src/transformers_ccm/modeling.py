@@ -9,10 +9,11 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -63,16 +64,27 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 class _Registrations:
-    """The latest parameter or submodule registered by any module of this process (counted by torch's global
-    registration hooks), so that a model sees when its parameters may have been replaced."""
+    """The latest parameter or submodule registered on a module of a listed model (counted by torch's global
+    registration hooks), so that a model sees when its parameters may have been replaced. Registrations on other
+    modules do not count: most decoders slice their layer list in every forward, which registers each layer in a new
+    list, and counting those listed every model again at every call (milliseconds on 30 layers)."""
 
     _ids = itertools.count(1)
     latest = 0
+    _watched: ClassVar[weakref.WeakSet[nn.Module]] = weakref.WeakSet()
 
     @classmethod
-    def register(cls, *_: Any) -> None:
-        # A unique id each, not `latest += 1`: two racing increments could write back a value already read.
-        cls.latest = next(cls._ids)
+    def register(cls, module: nn.Module, *_: Any) -> None:
+        if module in cls._watched:
+            # A unique id each, not `latest += 1`: two racing increments could write back a value already read.
+            cls.latest = next(cls._ids)
+
+    @classmethod
+    def watch(cls, model: nn.Module) -> None:
+        """Count registrations on the modules of `model` from now on (a module attached later is registered on one
+        of them, which counts)."""
+        for module in model.modules():
+            cls._watched.add(module)
 
 
 register_module_parameter_registration_hook(_Registrations.register)
@@ -937,8 +949,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         costs milliseconds and this is asked at every call, so they are listed again only after a module registered
         a parameter or a submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the digests of
         a stale list would miss the new tensors, and accept memories of the weights they replaced."""
-        registrations = _Registrations.latest  # read first: a registration during the walk lists them again next time
+        registrations = _Registrations.latest
         if self._listed is None or self._listed[0] != registrations:
+            _Registrations.watch(self)
+            registrations = _Registrations.latest  # read before the walk: a registration during it lists them again
             named = sorted(self.named_parameters())
             is_adapter = [name == "comp_embeddings" or ".lora_A." in name or ".lora_B." in name for name, _ in named]
             self._listed = (
