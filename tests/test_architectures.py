@@ -347,6 +347,15 @@ def test_keys_that_cannot_be_re_rotated_refuse_streaming_and_re_basing(architect
     assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, memory, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_wrapped_under_autocast_streams(dtype):
+    """Wrapped under autocast, an fp32 model computes its keys in half precision: the wrap-time check of its rotary
+    layout held them to fp32's tolerance, found them unmovable, and every stream of this Llama was refused."""
+    with torch.autocast("cpu", dtype=dtype):
+        model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    model.new_cache(streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4))
+
+
 @pytest.mark.parametrize("model_type", MORE_ARCHITECTURES)
 @pytest.mark.parametrize("update", ["concat", "merge"])
 def test_more_architectures_are_exact_and_their_adapters_load(model_type, update, tmp_path):

@@ -1372,11 +1372,15 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
     model.eval()  # dropout would make the runs differ
     try:
         keys = []
-        for start in (0, shift) if movable else (0,):
-            cache = DynamicCache()
-            positions = torch.arange(start, start + length, device=ids.device)[None]
-            model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: cache, _PROBE_KWARG: True})
-            keys.append([layer.keys.float() for layer in cache.layers])
+        # In the model's own precision: keys rounded through layers autocast to half precision failed the tolerance of
+        # fp32 weights, and streaming was refused for a model that streams.
+        with torch.autocast(ids.device.type, enabled=False):
+            for start in (0, shift) if movable else (0,):
+                cache = DynamicCache()
+                positions = torch.arange(start, start + length, device=ids.device)[None]
+                arguments = {CACHE_ARGUMENT: cache, _PROBE_KWARG: True}
+                model(input_ids=ids, position_ids=positions, use_cache=True, **arguments)
+                keys.append([layer.keys.float() for layer in cache.layers])
     finally:
         for handle in handles:
             handle.remove()
