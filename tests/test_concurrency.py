@@ -25,6 +25,7 @@ from tiny_models import (
     InjectedFailure,
     SeededSampling,
     randomize_adapter,
+    tiny_base,
     tiny_ccm,
     tiny_full_context_baseline,
     tiny_llama_for,
@@ -407,6 +408,34 @@ def test_a_call_does_not_take_the_gate_context_of_its_caller(context, call, ente
         return
     _assert_equal(got, expected, f"{call} inside {context} differs")
     _assert_equal(_content(cache), _content(alone), "cache")
+
+
+def test_a_model_is_wrapped_while_another_thread_runs_it():
+    """Wrapping runs the model on a few tokens and notes which attention layers received its keyword argument: a
+    forward of the same model in another thread meanwhile was noted too, without it, and the wrap was refused as if
+    the model's layers dropped keyword arguments."""
+    base, tokens = tiny_base("llama"), torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = base(tokens).logits
+    logits, started = [], threading.Event()
+
+    def run_alone() -> None:
+        with torch.no_grad():
+            logits.append(base(tokens).logits)
+
+    def beside_the_wrap(*_: object) -> None:  # the other thread's whole forward, inside the wrap's first one
+        if not started.is_set():
+            started.set()
+            other = threading.Thread(target=run_alone)
+            other.start()
+            other.join()
+
+    handle = base.model.layers[0].register_forward_pre_hook(beside_the_wrap)
+    try:
+        CCMForCausalLM.from_base(base, CCMConfig())
+    finally:
+        handle.remove()
+    assert len(logits) == 1 and torch.equal(logits[0], expected)
 
 
 def test_a_stream_moves_its_keys_alike_whatever_other_users_ran_between_its_calls():

@@ -1363,9 +1363,11 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
     # Whether each attention layer that ran received the keyword argument (cross-attention without an encoder,
     # as in a BERT decoder, does not run).
     reached: dict[int, bool] = {}
+    probing = threading.get_ident()
 
     def note(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        reached[id(module)] = reached.get(id(module), True) and kwargs.get(_PROBE_KWARG) is True
+        if threading.get_ident() == probing:  # not another thread's forward of the same model, meanwhile
+            reached[id(module)] = reached.get(id(module), True) and kwargs.get(_PROBE_KWARG) is True
 
     handles = [module.register_forward_pre_hook(note, with_kwargs=True) for module in attention.values()]
     modes = {module: module.training for module in model.modules()}
