@@ -24,7 +24,7 @@ from transformers import (
 
 from ccm_reference import reference_logits
 from fault_injection import assert_same, snapshot
-from test_online import online_logits, parallel_logits
+from test_online import assert_greedy_generate_equals_parallel, online_logits, parallel_logits
 from tiny_models import MORE_ARCHITECTURES, more_tiny_base, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.lora import lora_layers
@@ -370,16 +370,7 @@ def test_more_architectures_are_exact_and_their_adapters_load(model_type, update
     for side in ("left", "right"):
         for online, from_parallel in zip(online_logits(model, samples, side), parallel, strict=True):
             assert (online - from_parallel).abs().max() <= 1e-4
-    contexts, prompt = [[5, 6, 7], [8, 9]], [20, 21]
-    cache = model.new_cache()
-    for context in contexts:
-        model.compress(cache, torch.tensor([context]))
-    generated = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=5, do_sample=False)
-    expected_tokens = list(prompt)
-    for _ in range(5):
-        row = parallel_logits(model, [OnlineSample(contexts, prompt, expected_tokens[len(prompt) :])])[0]
-        expected_tokens.append(int(row[-1].argmax()))
-    assert generated[0].tolist() == expected_tokens
+    assert_greedy_generate_equals_parallel(model, [[5, 6, 7], [8, 9]], steps=5)
     model.save_pretrained(tmp_path)
     loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=more_tiny_base(model_type))
     assert torch.equal(parallel_logits(loaded, samples)[0], parallel[0])

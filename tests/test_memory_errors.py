@@ -658,15 +658,7 @@ def test_a_stream_keeps_a_true_count_of_its_history_within_the_bound(tmp_path, c
     cache.save(path)
     _rewrite(path, tensors=_with("next_position", torch.tensor([counted])))
     cache = CompressedMemoryCache.load(path, model)
-    prepare, reads = cache.prepare_forward, []
-
-    def counted_reads(new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, object]:
-        with ValuesRead() as values:
-            prepared = prepare(new_mask, sdpa)
-        reads.append((new_mask.shape[1], values.count))
-        return prepared
-
-    cache.prepare_forward = counted_reads
+    reads = _count_device_reads(cache)
     for width in pieces:
         before = cache.history_tokens.clone()
         try:
@@ -696,15 +688,7 @@ def test_a_turn_s_forwards_keep_the_history_bound_without_reading_the_device(con
     past it."""
     model = tiny_ccm("llama")
     cache = model.new_cache(batch)
-    prepare, reads = cache.prepare_forward, []
-
-    def counted(new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, object]:
-        with ValuesRead() as values:
-            prepared = prepare(new_mask, sdpa)
-        reads.append((new_mask.shape[1], values.count))
-        return prepared
-
-    cache.prepare_forward = counted
+    reads = _count_device_reads(cache)
     for length in contexts:
         model.compress(cache, torch.randint(3, 90, (batch, length)))
     model.generate(torch.randint(3, 90, (batch, prompt)), past_key_values=cache, max_new_tokens=3, do_sample=False)
@@ -751,3 +735,18 @@ def test_any_value_in_a_signature_field_is_refused_in_a_message_of_a_few_lines(t
     with pytest.raises(ValueError, match=re.escape(f"{path} was made by another model or adapter ({field}")) as error:
         CompressedMemoryCache.load(path, model)
     assert len(str(error.value)) < 20_000  # 32 differences, each name and value cut at 100 characters
+
+
+def _count_device_reads(cache: CompressedMemoryCache) -> list[tuple[int, int]]:
+    """The width of each forward's new tokens and the values `cache.prepare_forward` read from the device for it,
+    appended as forwards run."""
+    prepare, reads = cache.prepare_forward, []
+
+    def counted(new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, object]:
+        with ValuesRead() as values:
+            prepared = prepare(new_mask, sdpa)
+        reads.append((new_mask.shape[1], values.count))
+        return prepared
+
+    cache.prepare_forward = counted
+    return reads

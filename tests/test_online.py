@@ -90,15 +90,21 @@ def test_capped_concat_online_equals_parallel(samples, cap):
 @pytest.mark.parametrize("update", ["concat", "merge"])
 @pytest.mark.parametrize("architecture", ["llama", "gemma3", "gpt-neox", "gpt2"])
 def test_greedy_generate_equals_teacher_forced_parallel(architecture, update):
-    model = tiny_ccm(architecture, update=update)
-    contexts, prompt = [[5, 6, 7], [8, 9], [40, 41, 42]], [20, 21]
+    assert_greedy_generate_equals_parallel(tiny_ccm(architecture, update=update), [[5, 6, 7], [8, 9], [40, 41, 42]])
+
+
+def assert_greedy_generate_equals_parallel(
+    model: CCMForCausalLM, contexts: list[list[int]], prompt: tuple[int, ...] = (20, 21), steps: int = 8
+) -> None:
+    """Greedy `generate()` after compressing `contexts` picks, at every step, the argmax of the parallel forward
+    teacher-forced on the tokens generated so far."""
     cache = model.new_cache()
     for context in contexts:
         model.compress(cache, torch.tensor([context]))
-    generated = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False)
+    generated = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=steps, do_sample=False)
     expected = list(prompt)
-    for _ in range(8):
-        logits = parallel_logits(model, [OnlineSample(contexts, prompt, expected[len(prompt) :])])[0]
+    for _ in range(steps):
+        logits = parallel_logits(model, [OnlineSample(contexts, list(prompt), expected[len(prompt) :])])[0]
         expected.append(int(logits[-1].argmax()))
     assert generated[0].tolist() == expected
 
