@@ -70,7 +70,7 @@ def test_train_refuses_a_stream_it_cannot_train_on_before_the_first_step(tmp_pat
         ("llama", replace(SMALL, compress=False), ValueError, r"needs StreamingConfig\(compress=True\)"),
         # Sizes the model's 512 positions cannot hold, and a model without rotary embeddings, failed at the first step.
         ("llama", replace(SMALL, window_tokens=600), ValueError, "exceeds the model's maximum of 512 positions"),
-        ("gpt2", SMALL, TypeError, "needs rotary position embeddings"),
+        ("gpt2", SMALL, TypeError, "keys cannot follow"),
         ("llama", {"window_tokens": 8}, TypeError, "TrainingRecipe.streaming must be a StreamingConfig"),
     ],
 )
