@@ -60,6 +60,29 @@ def test_train_resumes(tiny_model, adapter, capsys):
     assert (Path(adapter) / "checkpoint-4").is_dir()
 
 
+def test_train_stops_at_a_step_of_its_schedule_and_resumes_the_rest(tiny_model, tmp_path, capsys):
+    train(tiny_model, tmp_path / "run", 4, "--stop-at-step", "3")
+    assert f"adapter saved to {tmp_path / 'run'} (step 3 of 4; --resume trains the rest)" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "run").glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-3"}
+    train(tiny_model, tmp_path / "run", 4, "--resume")
+    assert "(step" not in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "run").glob("checkpoint-*")} == {"checkpoint-3", "checkpoint-4"}
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "train",
+                "--model",
+                str(tmp_path / "no-model"),
+                "--output-dir",
+                str(tmp_path / "new"),
+                "--stop-at-step",
+                "301",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "must be a step of the schedule, 1..300 (--steps)" in capsys.readouterr().err
+
+
 def test_train_continues_an_adapter_with_its_structure(tiny_model, adapter, tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -601,6 +601,38 @@ def test_a_run_killed_anywhere_resumes_to_the_adapter_of_the_uninterrupted_run(
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_a_run_stopped_at_a_step_resumes_to_the_adapter_of_the_uninterrupted_run(tmp_path, uninterrupted):
+    """`stop_at_step` ends a run inside its schedule, with a checkpoint and the adapter of that step saved even
+    off the save interval; started again with the same stop it ends where it is, and resumed without one it ends bit
+    for bit where the uninterrupted run did (learning rate of the whole schedule, dropout and batch order)."""
+    samples, recipe, expected, _ = uninterrupted
+    run = tmp_path / "run"
+    stopped = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    assert train(stopped, None, samples, samples[:2], run, recipe, stop_at_step=3).state.global_step == 3
+    assert sorted(path.name for path in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    at_three = stopped.adapter_tensors()
+    assert any(not torch.equal(tensor, expected[name]) for name, tensor in at_three.items())
+    saved = CCMForCausalLM.from_pretrained(run, base_model=tiny_base("llama")).adapter_tensors()
+    assert all(torch.equal(tensor, at_three[name]) for name, tensor in saved.items())
+    again = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    assert train(again, None, samples, samples[:2], run, recipe, resume=True, stop_at_step=3).state.global_step == 3
+    assert all(torch.equal(tensor, at_three[name]) for name, tensor in again.adapter_tensors().items())
+    resumed = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    assert train(resumed, None, samples, samples[:2], run, recipe, resume=True).state.global_step == 6
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in resumed.adapter_tensors().items())
+
+
+@pytest.mark.parametrize("stop_at_step", [0, 7, -1, 2.0, True])
+def test_stop_at_step_outside_the_schedule_is_refused_before_anything_runs(tmp_path, stop_at_step):
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    before = model.adapter_tensors()
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    with pytest.raises(ValueError, match=r"stop_at_step .* must be a step of the schedule, 1\.\.6"):
+        train(model, None, samples, None, tmp_path / "run", TrainingRecipe(steps=6), stop_at_step=stop_at_step)
+    assert not (tmp_path / "run").exists()
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.adapter_tensors().items())
+
+
 def test_a_finished_run_resumed_ends_where_it_is(tmp_path):
     """The Trainer asks whether to stop only after a step: a finished run started again with --resume made one more
     step past its schedule's end at each start (checkpoint-7, checkpoint-8), from the second on with the learning

@@ -132,6 +132,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         TrainingRecipe,
         check_fresh_start,
         check_resume,
+        check_stop_at_step,
         check_training_setup,
         train,
     )
@@ -191,6 +192,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.init_adapter:
         config = _initial_adapter_config(args.init_adapter, config, args.num_comp_tokens, args.target_modules)
     check_training_setup(recipe, config.conditional_lora, teacher=bool(args.distill_teacher))
+    try:
+        check_stop_at_step(args.stop_at_step, recipe)
+    except ValueError as error:
+        raise _in_flags(error) from None
     if streaming is not None:  # the sizes against the adapter's settings before the model loads (its positions after)
         streaming.validate(config, None)
     if args.resume:
@@ -228,7 +233,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
     trainer = train(
-        model, tokenizer(), train_samples, eval_samples, args.output_dir, recipe, resume=args.resume, teacher=teacher
+        model,
+        tokenizer(),
+        train_samples,
+        eval_samples,
+        args.output_dir,
+        recipe,
+        resume=args.resume,
+        teacher=teacher,
+        stop_at_step=args.stop_at_step,
     )
     wrote_adapter = trainer.is_world_process_zero()  # the process that wrote it says where; read before teardown
     if torch.distributed.is_initialized():
@@ -236,7 +249,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         # NCCL's teardown (SIGABRT, "terminate called without an active exception"), failing the launch.
         torch.distributed.destroy_process_group()
     if wrote_adapter:
-        print(f"adapter saved to {args.output_dir}")
+        step = trainer.state.global_step
+        stopped = f" (step {step} of {args.steps}; --resume trains the rest)" if step < args.steps else ""
+        print(f"adapter saved to {args.output_dir}{stopped}")
 
 
 def _initial_adapter_config(
@@ -941,6 +956,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    train.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="end this run after step N of the --steps schedule (its learning rate included), saving a checkpoint "
+        "and the adapter there; --resume later trains the rest (for machines lent for a limited time)",
+    )
     train.add_argument(
         "--init-adapter",
         default=None,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
-from transformers import Trainer, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import safe_globals
@@ -122,6 +122,8 @@ class CCMTrainer(Trainer):
     sample_lengths: list[int] | None = None
     # Set: the run's settings (`_run_settings`), written into each checkpoint for `check_resume` to compare.
     run_settings: dict[str, Any] | None = None
+    # Set: this run ends after that step of its schedule, with a checkpoint there (`train(stop_at_step=...)`).
+    stop_at_step: int | None = None
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
         if self.sample_lengths is None:
@@ -213,10 +215,25 @@ class CCMTrainer(Trainer):
         # The Trainer asks whether to stop only after a step: a run resumed at its last step (a finished run started
         # again) made one more step past the schedule's end at each start, writing checkpoint-<steps + 1>, and from
         # the second on with the learning rate rising again. It ends where it is, as a run of that length does.
-        if self.state.global_step >= self.state.max_steps:
+        if self.state.global_step >= min(self.state.max_steps, self.stop_at_step or self.state.max_steps):
             self.control.should_training_stop = True
             return
         super()._run_epoch(*args, **kwargs)
+
+
+class _StopAtStep(TrainerCallback):
+    """Ends a run after step `step` of its schedule and saves a checkpoint there, so that a machine lent for a
+    limited time trains the same steps as the whole schedule would, and `resume=True` goes on from there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if state.global_step >= self.step:
+            control.should_save = control.should_training_stop = True
+        return control
 
 
 def _count_parameter_writes(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -295,6 +312,7 @@ def train(
     recipe: TrainingRecipe | None = None,
     resume: bool = False,
     teacher: CCMForCausalLM | None = None,
+    stop_at_step: int | None = None,
 ) -> CCMTrainer:
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
@@ -306,12 +324,15 @@ def train(
     samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
     streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model
     as the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the
-    plain history with its LoRA on; it is frozen and moved to `model`'s device.
+    plain history with its LoRA on; it is frozen and moved to `model`'s device. `stop_at_step` ends this run after
+    that step of the `recipe.steps` schedule (learning rate included), with a checkpoint and the adapter of that
+    step saved; `resume=True` later goes on with the rest of the schedule.
     """
     _refuse_sharded_launch()
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
         raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
+    check_stop_at_step(stop_at_step, recipe)
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
     check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
@@ -386,8 +407,9 @@ def train(
         train_dataset=list(train_samples),
         eval_dataset=list(eval_samples) if eval_samples else None,
         data_collator=collator,
+        callbacks=None if stop_at_step is None else [_StopAtStep(stop_at_step)],
     )
-    trainer.sample_lengths = sample_lengths
+    trainer.sample_lengths, trainer.stop_at_step = sample_lengths, stop_at_step
     trainer.run_settings = {**_run_settings(recipe), BASE_FINGERPRINT: base_fingerprint}
     checkpoint = _resumed_checkpoint(output_dir) if resume else None
     last = get_last_checkpoint(os.fspath(output_dir)) if resume else None
@@ -419,6 +441,15 @@ def train(
         raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
+
+
+def check_stop_at_step(stop_at_step: int | None, recipe: TrainingRecipe) -> None:
+    """Raise unless `stop_at_step` is None or a step of `recipe`'s schedule."""
+    if stop_at_step is not None and not (positive_int(stop_at_step) and stop_at_step <= recipe.steps):
+        raise ValueError(
+            f"stop_at_step (ccm train --stop-at-step) must be a step of the schedule, 1..{recipe.steps} "
+            f"(TrainingRecipe.steps), or None to train it to the end; got {stop_at_step!r}."
+        )
 
 
 def _trainable_state(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None]]:
