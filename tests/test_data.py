@@ -198,8 +198,10 @@ def test_padding_to_a_multiple_leaves_the_loss_as_it_was():
         plain = model(**CCMDataCollator(model)(samples)).loss
         padded = model(**CCMDataCollator(model, pad_to_multiple_of=16)(samples)).loss
     assert torch.allclose(plain, padded, atol=1e-5)
-    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
-        CCMDataCollator(model, pad_to_multiple_of=0)
+    # Refused when the collator is made, naming the setting: a float failed at the first batch, inside the padding.
+    for multiple in (0, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"CCMDataCollator.pad_to_multiple_of must be a positive integer"):
+            CCMDataCollator(model, pad_to_multiple_of=multiple)
 
 
 @given(

@@ -11,7 +11,7 @@ import torch
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import sample_layout
-from transformers_ccm.validation import check_setting, is_int
+from transformers_ccm.validation import check_setting, is_int, positive_int
 
 if TYPE_CHECKING:
     from transformers_ccm.modeling import CCMForCausalLM
@@ -170,8 +170,10 @@ class CCMDataCollator:
         layout: Layout = "ccm",
         pad_to_multiple_of: int | None = None,
     ) -> None:
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be a positive integer or None, got {pad_to_multiple_of}.")
+        if pad_to_multiple_of is not None:  # a float or a bool failed only at the first batch, inside the padding
+            check_setting(
+                "CCMDataCollator", pad_to_multiple_of, "pad_to_multiple_of", "a positive integer, or None", positive_int
+            )
         if supervision not in SUPERVISION:
             raise ValueError(f"supervision must be one of {SUPERVISION}, got {supervision!r}.")
         if layout not in LAYOUTS:
