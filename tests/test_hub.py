@@ -469,6 +469,18 @@ def test_base_model_of_another_shape_fails_before_loading_weights(tmp_path, base
         CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tiny_base("qwen3"))
 
 
+def test_a_shape_mismatch_between_unnamed_models_says_so(tmp_path):
+    """An adapter of a model built from a config records no base name, and such a model has an empty name_or_path:
+    the error read "made for None, which does not match the base model ''"."""
+    CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError) as error:
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tiny_base("qwen3"))
+    assert str(error.value).startswith(
+        "This adapter was made for a base model whose name it does not record, which does not match the base model "
+        "(a model without a name_or_path) (model_type: adapter 'llama' vs base 'qwen3'"
+    )
+
+
 def test_missing_and_corrupt_files(tmp_path, base_folder):
     _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
     broken = tmp_path / "broken"

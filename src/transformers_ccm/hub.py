@@ -504,9 +504,13 @@ def check_base_shape(config: CCMConfig, base_name: str, base_shape: dict[str, An
         details = ", ".join(
             f"{key}: adapter {want!r} vs base {got!r}" for key, (want, got) in sorted(differences.items())
         )
+        # A model wrapped from a config, or an adapter saved from one, has no name: "None" and '' named nothing.
+        made_for = config.base_model_name_or_path
+        made_for = repr(made_for) if made_for else "a base model whose name it does not record"
+        given = repr(base_name) if base_name else "(a model without a name_or_path)"
         raise ValueError(
-            f"This adapter was made for {config.base_model_name_or_path!r}, which does not match the base model "
-            f"{base_name!r} ({details}). Pass the matching base model."
+            f"This adapter was made for {made_for}, which does not match the base model {given} ({details}). Pass "
+            "the matching base model."
         )
 
 
