@@ -424,35 +424,43 @@ class CompressedMemoryCache(Cache):
 
     @property
     def config(self) -> CCMConfig:
+        """The adapter configuration of the model that made this cache."""
         return self.spec.config
 
     @property
     def signature(self) -> dict[str, Any]:
+        """The memory signature of the model that made this cache (`CCMForCausalLM.memory_signature()`)."""
         return self.spec.signature
 
     @property
     def rotation(self) -> KeyRotation | None:
+        """What moves this model's keys to other positions, or None where they cannot be moved exactly."""
         return self.spec.rotation
 
     @property
     def max_positions(self) -> int | None:
+        """The model's `max_position_embeddings` (None: no limit)."""
         return self.spec.max_positions
 
     # ----- per-row views -----------------------------------------------------------------------------------------
     @property
     def memory_mask(self) -> torch.Tensor:
+        """`(batch, memory_length)` bool: the memory slots each row owns."""
         return self.rows.memory_mask
 
     @property
     def turn_mask(self) -> torch.Tensor:
+        """`(batch, turn_length)` bool: the real (non-padding) tokens of the current turn."""
         return self.rows.turn_mask
 
     @property
     def next_position(self) -> torch.Tensor:
+        """`(batch,)` long: the logical ("skip") position of each row's next token."""
         return self.rows.next_position
 
     @property
     def steps(self) -> torch.Tensor:
+        """`(batch,)` long: contexts (streaming: chunks) each row has compressed."""
         return self.rows.steps
 
     @property
@@ -464,15 +472,18 @@ class CompressedMemoryCache(Cache):
 
     @property
     def pending_ids(self) -> torch.Tensor:
+        """`(batch, 0 or 1)` long: the token `generate()` produced last, which has no keys/values yet."""
         return self.rows.pending_ids
 
     @property
     def pending_mask(self) -> torch.Tensor:
+        """`(batch, 0 or 1)` bool: whether each row's pending token is real (not padding)."""
         return self.rows.pending_mask
 
     # ----- sizes -------------------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Rows (users) of the cache."""
         return self.rows.next_position.shape[0]
 
     @property
@@ -492,10 +503,12 @@ class CompressedMemoryCache(Cache):
 
     @property
     def sink_length(self) -> int:
+        """Sink tokens held (0 unless streaming)."""
         return self.layers[0].sink_length if self.streaming is not None else 0
 
     @property
     def window_length(self) -> int:
+        """Window tokens held (0 unless streaming)."""
         return self.layers[0].window_length if self.streaming is not None else 0
 
     @property
@@ -517,6 +530,8 @@ class CompressedMemoryCache(Cache):
         return self.streaming is not None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """What `generate()` counts as processed: the current turn (streaming: the tokens of the current call); the
+        memory is a prefix it must not count."""
         if self.streaming is not None:
             return self.turn_tokens
         return super().get_seq_length(layer_idx)
@@ -1028,10 +1043,12 @@ class CompressedMemoryCache(Cache):
                         layer.float_keys = function(layer.float_keys)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep row `beam_idx[i]` as row i (`(batch,)` long), as beam search does."""
         _check_row_indices(beam_idx, "cache.reorder_cache()")
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), "cache.reorder_cache()", beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (`batch * repeats` rows), as generate() expands its inputs."""
         call = "cache.batch_repeat_interleave()"
         try:
             if isinstance(repeats, bool):
@@ -1044,10 +1061,12 @@ class CompressedMemoryCache(Cache):
         self._map_batch(lambda t: t.repeat_interleave(count, dim=0), call)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` selects (long indices, or a `(batch,)` bool mask), in that order."""
         _check_row_indices(indices, "cache.batch_select_indices()", masks=True)
         self._map_batch(lambda t: t[indices.to(t.device)], "cache.batch_select_indices()", indices, negative=True)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Refused: compressed memory cannot be cut back (assisted decoding crops rejected draft tokens)."""
         raise ValueError(
             "A CompressedMemoryCache cannot be cropped (assisted or speculative decoding); generate without an "
             "assistant model."

@@ -254,10 +254,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """Where the model runs (that of its `<COMP>` embeddings, which live beside the base model's weights)."""
         return self.comp_embeddings.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The base model's dtype: that of its caches and memories (the adapter's weights may be float32)."""
         return self.base_model.dtype
 
     @property
@@ -1165,6 +1167,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self.base_model.enable_input_require_grads()
 
     def disable_input_require_grads(self) -> None:
+        """Undo `enable_input_require_grads()`."""
         self.base_model.disable_input_require_grads()
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
@@ -1180,6 +1183,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
 
     def print_trainable_parameters(self) -> None:
+        """Print the trainable and total parameter counts, as PEFT's `PeftModel` does."""
         trainable, total = self.get_nb_trainable_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
 
