@@ -1,0 +1,80 @@
+"""The documentation and the code say the same: the flags the docs give each `ccm` command exist, their Python
+snippets parse and import what exists, and every public name is documented."""
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import transformers_ccm
+from transformers_ccm.cli import build_parser
+
+ROOT = Path(__file__).parent.parent
+# What a new user reads: the README, the guides, the Makefile's commands and the shipped adapters' model cards.
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "Makefile",
+    *sorted((ROOT / "src" / "transformers_ccm" / "adapters").glob("*/README.md")),
+]
+# `ccm <command>` (or `-m transformers_ccm.cli <command>`) and its arguments, over `\` line continuations, up to the
+# end of the line, of the inline code span or of a comment.
+COMMAND = re.compile(r"(?:\bccm|transformers_ccm\.cli)\s+(train|eval|stream-eval|chat|demo)\b((?:\\\n|[^`#\n])*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _command_options() -> dict[str, set[str]]:
+    commands = next(action for action in build_parser()._actions if action.dest == "command").choices
+    return {name: {flag for action in sub._actions for flag in action.option_strings} for name, sub in commands.items()}
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    return [
+        (f"{path.relative_to(ROOT)}:{path.read_text()[: block.start()].count(chr(10)) + 1}", block.group(1))
+        for path in DOCS
+        if path.suffix == ".md"
+        for block in re.finditer(r"```python\n(.*?)```", path.read_text(), re.S)
+    ]
+
+
+def test_every_flag_the_docs_give_a_command_is_one_of_its_options():
+    options = _command_options()
+    used = [
+        (f"{path.relative_to(ROOT)}:{text[: command.start()].count(chr(10)) + 1}", command.group(1), flag)
+        for path in DOCS
+        for text in [path.read_text()]
+        for command in COMMAND.finditer(text)
+        for flag in FLAG.findall(command.group(2))
+    ]
+    assert len(used) > 100  # the docs' command lines were found
+    unknown = [f"{where}: ccm {name} {flag}" for where, name, flag in used if flag not in options[name]]
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize(("where", "code"), _python_blocks(), ids=lambda value: value.split("\n")[0][:40])
+def test_python_snippets_parse_and_import_what_exists(where, code):
+    tree = ast.parse(code, where)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "transformers_ccm":
+            module = importlib.import_module(node.module)
+            missing = [alias.name for alias in node.names if not hasattr(module, alias.name)]
+            assert not missing, f"{where}: {node.module} has no {missing}"
+
+
+def test_every_public_name_has_docstrings_and_appears_in_the_docs():
+    guides = "\n".join(path.read_text() for path in DOCS if path.suffix == ".md")
+    undocumented = []
+    for name in transformers_ccm.__all__:
+        value = getattr(transformers_ccm, name)
+        if not inspect.isclass(value):
+            continue
+        assert f"`{name}" in guides, f"{name} is exported but no guide names it"
+        undocumented += [name] if not inspect.getdoc(value) else []
+        for member, attribute in vars(value).items():
+            function = attribute.fget if isinstance(attribute, property) else getattr(attribute, "__func__", attribute)
+            if not member.startswith("_") and callable(function) and not (function.__doc__ or "").strip():
+                undocumented.append(f"{name}.{member}")
+    assert not undocumented, undocumented
