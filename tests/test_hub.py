@@ -1,5 +1,6 @@
 """Adapters as files: save, load (folder or Hub cache, offline), push, and the errors that keep loads whole."""
 
+import ast
 import json
 import os
 import re
@@ -163,6 +164,26 @@ def test_hub_card_names_hub_base_model(tmp_path):
     model = _adapter("acme/tiny-llama")
     model.save_pretrained(tmp_path / "adapter")
     assert "base_model: acme/tiny-llama" in (tmp_path / "adapter" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("base", ["acme/tiny-llama", None, "folder"])
+def test_the_model_card_links_and_loads_the_base_model_as_it_can(tmp_path, base):
+    """The card linked https://huggingface.co/unknown for an adapter that names no base, and huggingface.co/<path>
+    for a local folder, and told to load either without base_model=, which from_pretrained then asks for."""
+    base_path = str(tmp_path / base) if base == "folder" else base
+    if base == "folder":
+        tiny_base("llama").save_pretrained(base_path)
+    _adapter(base_path).save_pretrained(tmp_path / "adapter")
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, re.S)
+    ast.parse(snippet)
+    load = next(line for line in snippet.splitlines() if "from_pretrained(" in line)
+    links = re.findall(r"https://huggingface\.co/[^)\s]*", card)
+    if base == "acme/tiny-llama":
+        assert links == ["https://huggingface.co/acme/tiny-llama"] and "base_model=" not in load
+    else:
+        assert links == [] and "base_model: " not in card
+        assert f'base_model="{base_path or "path-or-hub-id"}"' in load
 
 
 def test_load_with_a_given_base_model(tmp_path):

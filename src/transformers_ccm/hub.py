@@ -58,7 +58,7 @@ _CARD_TEMPLATE = """---
 # {{ title }}
 
 A [Compressed Context Memory](https://arxiv.org/abs/2312.03414) adapter for
-[{{ base_model }}](https://huggingface.co/{{ base_model }}): a conditional LoRA (rank {{ r }}) and
+{{ base_model }}: a conditional LoRA (rank {{ r }}) and
 {{ num_comp_tokens }} learned `<COMP>` embedding(s) that compress each new context into {{ num_comp_tokens }}
 key/value slot(s) per layer, updated by **{{ update }}**.
 
@@ -71,7 +71,7 @@ key/value slot(s) per layer, updated by **{{ update }}**.
 ```python
 from transformers_ccm import CCMForCausalLM
 
-model = CCMForCausalLM.from_pretrained("{{ repo_id }}")   # loads the base model too
+model = CCMForCausalLM.from_pretrained({{ load_arguments }})   # {{ load_comment }}
 cache = model.new_cache()
 model.compress(cache, context_ids)
 out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
@@ -143,9 +143,25 @@ def _is_digest(value: object) -> bool:
 def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     from transformers_ccm import __version__
 
-    base = config.base_model_name_or_path or "unknown"
+    base = config.base_model_name_or_path
+    on_hub = base is not None and not os.path.exists(base) and _is_repo_id(base)
+    # A base the adapter does not name, or a folder of the machine that saved it, has no Hub page to link to, and
+    # from_pretrained cannot find it elsewhere by itself: the card says to pass it (it linked huggingface.co/unknown).
+    if on_hub:
+        described, arguments, comment = (
+            f"[{base}](https://huggingface.co/{base})",
+            f'"{repo_id}"',
+            "loads the base model too",
+        )
+    elif base is None:
+        described, arguments = "a base model it does not record", f'"{repo_id}", base_model="path-or-hub-id"'
+        comment = "give the base model's folder or Hub id"
+    else:
+        described = f"`{base}` (a folder on the machine that saved the adapter)"
+        arguments = f'"{repo_id}", base_model="{base}"'
+        comment = "the base model's folder or Hub id here"
     card_data = ModelCardData(
-        base_model=base if config.base_model_name_or_path and not os.path.exists(base) else None,
+        base_model=base if on_hub else None,
         library_name="transformers-ccm",
         tags=["ccm", "context-compression", "peft", "lora", f"ccm-{config.update}"],
         pipeline_tag="text-generation",
@@ -154,14 +170,15 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
         card_data,
         template_str=_CARD_TEMPLATE,
         title=f"{Path(repo_id).name.removeprefix(SHIPPED_PREFIX)}: CCM-{config.update} adapter",
-        base_model=base,
+        base_model=described,
+        load_arguments=arguments,
+        load_comment=comment,
         r=config.r,
         num_comp_tokens=config.num_comp_tokens,
         update=config.update,
         trained_on=config.trained_on or "not recorded",
         revision=config.base_model_revision or "not recorded",
         version=__version__,
-        repo_id=repo_id,
     )
 
 
@@ -544,6 +561,15 @@ def push_adapter(
             revision=revision,
             create_pr=create_pr,
         )
+
+
+def _is_repo_id(name: object) -> bool:
+    """Whether the Hub could hold a repo named `name`."""
+    try:
+        _check_repo_id(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_repo_id(repo_id: object) -> None:
