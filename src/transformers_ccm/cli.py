@@ -907,11 +907,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
         _print_turn(session.turn(message))
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """`--help` that gives each option's default (the docs state them: 300 steps of 8 at 1e-3, ...), unless it has
+    none (None, or off for a switch) or its help already speaks of it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS  # not 0
+        if unset or not action.option_strings or "default" in text:
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ccm", description="Compressed Context Memory for transformers models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train a compression adapter")
+    train = commands.add_parser("train", help="train a compression adapter", formatter_class=_ShowDefaults)
     _add_model(train)
     train.add_argument(
         "--task",
@@ -927,7 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text tasks: tokens per compressed chunk, as `ccm stream-eval --compress-chunk` will stream them",
     )
     train.add_argument("--eval-task", default=None, help="held-out samples (a task name or JSONL) for the eval loss")
-    train.add_argument("--update", choices=UPDATE_RULES, default="concat")
+    train.add_argument("--update", choices=UPDATE_RULES, default="concat", help="how a compression enters memory")
     train.add_argument(
         "--num-comp-tokens",
         type=int,
@@ -935,8 +947,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"<COMP> tokens (memory slots) per context (default {CCMConfig.num_comp_tokens}; with --init-adapter, its "
         "own count, and a different one here resizes it)",
     )
-    train.add_argument("--ema-alpha", type=float, default=0.5)
-    train.add_argument("--lora-r", type=int, default=8)
+    train.add_argument("--ema-alpha", type=float, default=0.5, help="--update ema: the weight of a new compression")
+    train.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     train.add_argument(
         "--target-modules",
         nargs="+",
@@ -946,15 +958,15 @@ def build_parser() -> argparse.ArgumentParser:
         "default: every projection of each attention layer. With --init-adapter, its targets and more: the added "
         "ones start at zero, so training starts from the adapter as it was",
     )
-    train.add_argument("--steps", type=int, default=300)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--gradient-accumulation", type=int, default=1)
-    train.add_argument("--learning-rate", type=float, default=1e-3)
-    train.add_argument("--eval-every", type=int, default=50)
-    train.add_argument("--eval-samples", type=int, default=48)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, default=8, help="samples per step (per process)")
+    train.add_argument("--gradient-accumulation", type=int, default=1, help="batches per optimizer step")
+    train.add_argument("--learning-rate", type=float, default=1e-3, help="peak of the cosine schedule")
+    train.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses and checkpoints")
+    train.add_argument("--eval-samples", type=int, default=48, help="held-out samples for the eval loss")
+    train.add_argument("--seed", type=int, default=0, help="samples and initialisation")
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
-    train.add_argument("--output-dir", required=True)
+    train.add_argument("--output-dir", required=True, help="where checkpoints and the final adapter go")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     train.add_argument(
         "--stop-at-step",
@@ -1029,10 +1041,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(handler=cmd_train)
 
-    evaluate = commands.add_parser("eval", help="accuracy / perplexity and KV memory over time steps")
+    evaluate = commands.add_parser(
+        "eval", help="accuracy / perplexity and KV memory over time steps", formatter_class=_ShowDefaults
+    )
     _add_model(evaluate)
     _add_device(evaluate)
-    evaluate.add_argument("--adapters", nargs="+", default=["ccm:smollm2-concat", "ccm:smollm2-merge"])
+    evaluate.add_argument(
+        "--adapters",
+        nargs="+",
+        default=["ccm:smollm2-concat", "ccm:smollm2-merge"],
+        help="compression adapters to score (folders, Hub ids or ccm:<name>)",
+    )
     evaluate.add_argument(
         "--tasks",
         nargs="+",
@@ -1063,37 +1082,41 @@ def build_parser() -> argparse.ArgumentParser:
         "(drawn again with --seed and checked), and write the joint report, its baselines and adapters kept, to "
         "--output-dir",
     )
-    evaluate.add_argument("--batch-size", type=int, default=16)
-    evaluate.add_argument("--seed", type=int, default=0)
-    evaluate.add_argument("--output-dir", default="docs/results")
+    evaluate.add_argument("--batch-size", type=int, default=16, help="samples scored at once")
+    evaluate.add_argument("--seed", type=int, default=0, help="which held-out samples are drawn")
+    evaluate.add_argument("--output-dir", default="docs/results", help="where eval.json, eval.md and eval.png go")
     evaluate.set_defaults(handler=cmd_eval)
 
-    stream = commands.add_parser("stream-eval", help="perplexity of a long stream: CCM vs StreamingLLM, same KV")
+    stream = commands.add_parser(
+        "stream-eval", help="perplexity of a long stream: CCM vs StreamingLLM, same KV", formatter_class=_ShowDefaults
+    )
     _add_model(stream)
     _add_device(stream)
-    stream.add_argument("--adapter", default="ccm:smollm2-stream")
+    stream.add_argument("--adapter", default="ccm:smollm2-stream", help="a folder, Hub id or ccm:<name>")
     stream.add_argument("--text-file", default=None, help="a UTF-8 text file to stream (default: the held-out text)")
     stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole text)")
     stream.add_argument("--piece", type=int, default=16, help="tokens fed per forward")
-    stream.add_argument("--window-tokens", type=int, default=148)
-    stream.add_argument("--sink-tokens", type=int, default=4)
-    stream.add_argument("--compress-chunk", type=int, default=32)
-    stream.add_argument("--max-memory-tokens", type=int, default=8)
+    stream.add_argument("--window-tokens", type=int, default=148, help="recent tokens kept as they are")
+    stream.add_argument("--sink-tokens", type=int, default=4, help="first tokens kept for ever")
+    stream.add_argument("--compress-chunk", type=int, default=32, help="tokens compressed at once")
+    stream.add_argument("--max-memory-tokens", type=int, default=8, help="concat memory cap, oldest evicted first")
     _add_keep_window_full(stream)
     stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
-    stream.add_argument("--output-dir", default="docs/results/streaming")
+    stream.add_argument(
+        "--output-dir", default="docs/results/streaming", help="where stream_eval.json and stream_eval.png go"
+    )
     stream.set_defaults(handler=cmd_stream_eval)
 
     for name, handler, text in (
         ("chat", cmd_chat, "talk with memory"),
         ("demo", cmd_demo, "a scripted chat that asks what it was told"),
     ):
-        sub = commands.add_parser(name, help=text)
+        sub = commands.add_parser(name, help=text, formatter_class=_ShowDefaults)
         _add_model(sub)
         _add_device(sub)
         sub.add_argument("--update", choices=["concat", "merge"], default="concat", help="which shipped adapter")
         sub.add_argument("--adapter", default=None, help="an adapter folder, Hub id or ccm:<name> instead")
-        sub.add_argument("--max-new-tokens", type=int, default=64)
+        sub.add_argument("--max-new-tokens", type=int, default=64, help="the longest reply, in tokens")
         if name == "chat":
             sub.add_argument("--memory-file", default=None, help="keep this user's memory between runs")
         else:
