@@ -964,7 +964,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=1e-3, help="peak of the cosine schedule")
     train.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses and checkpoints")
     train.add_argument("--eval-samples", type=int, default=48, help="held-out samples for the eval loss")
-    train.add_argument("--seed", type=int, default=0, help="samples and initialisation")
+    train.add_argument("--seed", type=int, default=0, help="the samples drawn, the initialisation and the batch order")
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True, help="where checkpoints and the final adapter go")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
