@@ -105,6 +105,32 @@ def test_python_snippets_parse_and_import_what_exists(where, code):
             assert not missing, f"{where}: {node.module} has no {missing}"
 
 
+def test_every_dotted_name_the_guides_give_exists():
+    named = {
+        match.group(1)
+        for path in DOCS
+        if path.suffix == ".md"
+        for match in re.finditer(r"`(transformers_ccm(?:\.\w+)+)", path.read_text())
+    }
+    assert len(named) > 5  # the guides' references were found
+    for name in named:
+        parts = name.split(".")
+        # The longest importable prefix is the module; the rest are attributes.
+        depth = next(depth for depth in range(len(parts), 0, -1) if _importable(".".join(parts[:depth])))
+        value = importlib.import_module(".".join(parts[:depth]))
+        for attribute in parts[depth:]:
+            assert hasattr(value, attribute), f"{name}: no {attribute}"
+            value = getattr(value, attribute)
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def test_every_public_name_has_docstrings_and_appears_in_the_docs():
     guides = "\n".join(path.read_text() for path in DOCS if path.suffix == ".md")
     undocumented = []
