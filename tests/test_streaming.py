@@ -1,6 +1,7 @@
 """Streaming caches: exact re-rotation, StreamingLLM and CCM streams against a plain reference, bounded
 memory over long generations, batching, persistence and bad configurations."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -477,3 +478,41 @@ def test_a_stream_counts_every_token_fed_in_its_history_tokens(tmp_path_factory,
     path = tmp_path_factory.mktemp("stream") / "stream.safetensors"
     cache.save(path)
     assert type(cache).load(path, model).history_tokens.tolist() == [fed, fed]
+
+
+def _graph_nodes(tensors):
+    """The autograd nodes that `tensors` keep alive (each node holds the activations its backward needs)."""
+    seen, stack = set(), [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    return len(seen)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    update=st.sampled_from(["concat", "merge", "ema"]),
+    lengths=st.lists(st.integers(1, 12), min_size=2, max_size=8).filter(lambda lengths: sum(lengths) > 16),
+    labelled=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_stream_fed_with_gradients_on_holds_no_graph_of_earlier_calls(update, lengths, labelled, seed):
+    model = tiny_ccm("llama", update=update)
+    cache = model.new_cache(streaming=SMALL)
+    generator = torch.Generator().manual_seed(seed)
+    for length in lengths:  # a forward outside torch.no_grad(), as a server feeding a stream might run it
+        ids = torch.randint(3, VOCAB, (1, length), generator=generator)
+        model(input_ids=ids, labels=ids if labelled else None, past_key_values=cache)
+        assert _graph_nodes(tensor for layer in cache.layers for tensor in layer.held().values()) == 0
+    assert int(cache.steps[0]) >= 1  # the LoRA ran: it compressed, in grad mode
+    copy.deepcopy(cache)  # a tensor with a graph refuses deepcopy
+
+
+def test_a_streamed_loss_still_reaches_the_adapter_within_its_call():
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    cache = model.new_cache(streaming=SMALL)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, past_key_values=cache).loss.backward()  # one call, run in pieces
+    assert model.comp_embeddings.grad is not None and model.comp_embeddings.grad.abs().sum() > 0

@@ -348,6 +348,15 @@ class StreamingLayer(DynamicLayer):
         self.float_keys = None if dtype == torch.float32 else keys.float()
         self.keys = keys.to(dtype)
 
+    def detach(self) -> None:
+        """Hold the same keys/values without the autograd graph of the forwards that computed them."""
+        if self.is_initialized:
+            self.keys, self.values = self.keys.detach(), self.values.detach()
+        if self.float_keys is not None:
+            self.float_keys = self.float_keys.detach()
+        if self.accumulated is not None:
+            self.accumulated = self.accumulated[0].detach(), self.accumulated[1].detach()
+
     def held(self) -> dict[str, torch.Tensor]:
         state = {"keys": self.keys, "values": self.values}
         if self.accumulated is not None and self.accumulated[0].dtype != self.keys.dtype:
@@ -421,6 +430,8 @@ class CompressedMemoryCache(Cache):
         self._user: tuple[int, object, int] | None = None
         # The model call running on this cache (None: none); see `running`.
         self._call: str | None = None
+        # Whether a stream keeps the autograd graph of its forwards from one call to the next (`end_stream_call`).
+        self._keeps_graph = False
 
     @property
     def config(self) -> CCMConfig:
@@ -921,6 +932,15 @@ class CompressedMemoryCache(Cache):
         if self.streaming is None:
             raise ValueError("This is not a streaming cache; create one with model.new_cache(streaming=...).")
         return self.streaming
+
+    def end_stream_call(self) -> None:
+        """Detach what a stream holds from the autograd graph of the call that ended (a forward outside
+        `torch.no_grad()`): each call moves and merges the keys the last one left, so the stream kept the graph, and
+        the activations it saves, of every call before, growing with each one however bounded the stream. Training
+        through a stream (`stream_training.stream_loss`) sets `_keeps_graph` to reach earlier calls' compressions."""
+        if self.streaming is not None and not self._keeps_graph:
+            for layer in self.layers:
+                layer.detach()
 
     def needs_compression(self, new: int) -> bool:
         """Whether the oldest chunk of the window must be compressed before `new` tokens fit (never for a

@@ -812,9 +812,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             with self._gate.scope(), self._unchanged_since(state, "model(...)"):
                 self._run_pending(cache)
                 if step is None or tokens.shape[1] <= step:
-                    return self.base_model(
+                    output = self.base_model(
                         **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
                     )
+                    cache.end_stream_call()
+                    return output
                 cache.input_mask(attention_mask)
                 keep = kwargs.pop("logits_to_keep", 0)  # of the whole input, not of each piece
                 pieces = [
@@ -839,6 +841,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     output.loss = self.base_model.loss_function(
                         logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
                     )
+                cache.end_stream_call()
         return output
 
     def _run_pending(self, cache: CompressedMemoryCache) -> None:

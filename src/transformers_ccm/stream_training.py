@@ -79,6 +79,7 @@ def stream_loss(
     input_ids, labels = batch["input_ids"], batch["labels"]
     warm = tokens_before_compression(streaming)
     cache = model.new_cache(input_ids.shape[0], streaming=streaming)
+    cache._keeps_graph = True  # the loss of each piece reaches the compressions of the pieces before
     with torch.no_grad():  # nothing of the adapter runs before the first compression
         model(input_ids=input_ids[:, :warm], past_key_values=cache, logits_to_keep=1)
     pieces = input_ids[:, warm:-1].split(piece, dim=1)
