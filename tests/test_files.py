@@ -589,3 +589,41 @@ def test_a_memory_saved_to_a_pipe_or_device_is_refused_and_leaves_it_in_place(tm
         with pytest.raises(ValueError, match=r"pipe is not a regular file \(a device, a pipe or a socket\); give the"):
             _memory(new, [5, 6]).save(path)
     assert (tmp_path / "pipe").is_fifo() and sorted(path.name for path in tmp_path.iterdir()) == ["link", "pipe"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    call=st.sampled_from(sorted(_FILE_SYSTEM_CALLS)),
+    k=st.integers(0, 12),
+    depth=st.integers(1, 3),
+    saved=st.sampled_from(["adapter", "config"]),
+)
+def test_a_failed_save_into_new_folders_leaves_no_folder_behind(tmp_path_factory, adapters, call, k, depth, saved):
+    """The folders a save made for itself stayed after it failed: a server retrying saves of many users' adapters
+    filled the disk with empty folders."""
+    old, _, target = adapters
+    root = tmp_path_factory.mktemp("root")
+    folder = root.joinpath(*[f"level-{level}" for level in range(depth)])
+    save = old.save_pretrained if saved == "adapter" else old.config.save_pretrained
+    try:
+        with _failing(*_FILE_SYSTEM_CALLS[call], k):
+            save(folder)
+    except OSError as error:
+        assert "injected" in str(error)
+        assert list(root.iterdir()) == []
+    else:
+        if saved == "adapter":
+            target.load_adapter(folder)
+            assert _which(target, adapters) == "old"
+        else:
+            assert CCMConfig.from_pretrained(folder) == old.config
+
+
+def test_a_failed_save_keeps_the_folders_that_were_there_and_their_files(tmp_path, adapters):
+    old, _, _ = adapters
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "notes.txt").write_text("the user's own file")
+    with pytest.raises(OSError, match="injected"), _failing(hub_module, "save_file", 0):
+        old.save_pretrained(tmp_path / "existing" / "new" / "adapter")
+    assert [path.name for path in tmp_path.iterdir()] == ["existing"]
+    assert [path.name for path in (tmp_path / "existing").iterdir()] == ["notes.txt"]

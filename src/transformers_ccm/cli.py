@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 from transformers_ccm.extras import pyplot
-from transformers_ccm.files import replace_files
+from transformers_ccm.files import made_folder, replace_files
 from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
@@ -630,17 +630,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
             )
     results += added
     output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     report, table = report_json(results, summary), markdown(results, summary)
     # The files replaced together: --output-dir may be the --add-to folder, whose report must survive a failure.
-    replace_files(
-        {
-            output / "eval.json": lambda path: Path(path).write_text(report),
-            output / "eval.png": lambda path: plot(results, path),
-            output / "eval.md": lambda path: Path(path).write_text(table),
-        }
-    )
+    with made_folder(output, "choose another --output-dir."):
+        replace_files(
+            {
+                output / "eval.json": lambda path: Path(path).write_text(report),
+                output / "eval.png": lambda path: plot(results, path),
+                output / "eval.md": lambda path: Path(path).write_text(table),
+            }
+        )
     print("\nat the largest time step (95% intervals):")
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
@@ -734,7 +734,6 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
             flush=True,
         )
     output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
     report = {
         "text": args.text_file or f"held-out Python reference topics (pydoc_data, Python {platform.python_version()})",
         "tokens": int(ids.shape[0]),
@@ -742,12 +741,13 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "streaming": asdict(ccm),
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
-    replace_files(
-        {
-            output / "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
-            output / "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
-        }
-    )
+    with made_folder(output, "choose another --output-dir."):
+        replace_files(
+            {
+                output / "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
+                output / "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
+            }
+        )
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
 
 

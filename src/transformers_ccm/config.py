@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
-from transformers_ccm.files import replace_file
+from transformers_ccm.files import made_folder, replace_file
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.validation import check_setting, finite_number, number, positive_int
 
@@ -133,9 +133,9 @@ class CCMConfig:
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> str:
         """Write `ccm_config.json` into `save_directory` and return its path."""
-        os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, CONFIG_NAME)
-        replace_file(path, self._write_json)
+        with made_folder(save_directory, "save the config into a folder."):
+            replace_file(path, self._write_json)
         return path
 
     def _write_json(self, path: str) -> None:

@@ -65,6 +65,30 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
 
 
 @contextmanager
+def made_folder(folder: str | os.PathLike[str], fix: str) -> Iterator[Path]:
+    """Within the context, `folder` exists, made with its missing parents if needed; if the context fails, the folders
+    it made are removed again (those still empty), so that a failed save leaves no empty folders behind. Raises a
+    ValueError ending with `fix` where `folder` is a file (or a broken link), or inside one."""
+    folder = Path(folder)
+    made = []  # the innermost first
+    missing = folder.absolute()
+    while not os.path.lexists(missing):
+        made.append(missing)
+        missing = missing.parent
+    try:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(f"{folder} is a file (or a broken link), or inside one; {fix}") from None
+        yield folder
+    except BaseException:
+        for path in made:
+            with suppress(OSError):  # not empty: another save put its files there meanwhile
+                os.rmdir(path)
+        raise
+
+
+@contextmanager
 def folder_lock(folder: str | os.PathLike[str], exclusive: bool) -> Iterator[bool]:
     """Hold an advisory lock on `folder` within the context: exclusive for a writer, shared for a reader. Yields
     whether it is held (not on a file system without locks, nor for a folder that cannot be opened)."""

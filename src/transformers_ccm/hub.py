@@ -32,7 +32,7 @@ from safetensors.torch import load, save_file
 
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
-from transformers_ccm.files import folder_lock, replace_files
+from transformers_ccm.files import folder_lock, made_folder, replace_files
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.validation import is_int
 
@@ -92,12 +92,6 @@ def save_adapter(
     `COMP_EMBEDDINGS_KEY`). The model card tells to load it by `repo_id` (default: `ccm:<name>` inside the
     package's adapters folder, else the folder's path)."""
     folder = Path(save_directory)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(
-            f"{folder} is a file (or a broken link), or inside one; save the adapter into a folder."
-        ) from None
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
@@ -113,15 +107,16 @@ def save_adapter(
     # Written aside, then swapped in together (see files.py): a failed save keeps the adapter saved there before,
     # and the folder's other files (training checkpoints, the user's) stay. The manifest goes in first: a process
     # killed during the swap leaves files that disagree with it, which `read_adapter` refuses.
-    replace_files(
-        {
-            folder / CONFIG_NAME: config._write_json,
-            folder / ADAPTER_CONFIG_NAME: lambda path: lora_config.save_pretrained(os.path.dirname(path)),
-            folder / ADAPTER_WEIGHTS_NAME: lambda path: save_file(prefixed, path, metadata={"format": "pt"}),
-            folder / MODEL_CARD_NAME: card.save,
-            folder / MANIFEST_NAME: _write_manifest,
-        }
-    )
+    with made_folder(folder, "save the adapter into a folder."):
+        replace_files(
+            {
+                folder / CONFIG_NAME: config._write_json,
+                folder / ADAPTER_CONFIG_NAME: lambda path: lora_config.save_pretrained(os.path.dirname(path)),
+                folder / ADAPTER_WEIGHTS_NAME: lambda path: save_file(prefixed, path, metadata={"format": "pt"}),
+                folder / MODEL_CARD_NAME: card.save,
+                folder / MANIFEST_NAME: _write_manifest,
+            }
+        )
 
 
 def _write_manifest(path: str) -> None:
