@@ -81,3 +81,20 @@ def test_a_full_context_baseline_teaches_with_its_lora_on_and_learns_nothing():
     loss.backward()
     assert all(parameter.grad is None for parameter in teacher.parameters())
     assert model.comp_embeddings.grad.abs().sum() > 0
+
+
+def test_the_teacher_reads_without_dropout_while_the_student_trains():
+    # GPT-2's base model has dropout (0.1): the self-distillation teacher is its prediction, not a draw of its
+    # dropout masks, and each module is left in the mode it had.
+    model = CCMForCausalLM.from_base(tiny_base("gpt2"), CCMConfig(lora_dropout=0.0))
+    batch = CCMDataCollator(model)(SAMPLES)
+    ids, _ = plain_history(batch)
+    with torch.no_grad():
+        expected = tiny_base("gpt2")(input_ids=ids).logits
+        student = model.eval()(**batch).logits
+        in_eval = distillation_loss(model, batch, student)
+        model.train()
+        for _ in range(3):
+            assert torch.allclose(plain_prompt_logits(model, ids), expected, atol=1e-5)
+            assert torch.allclose(distillation_loss(model, batch, student), in_eval, atol=1e-6)
+    assert all(module.training for module in model.modules())

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_ccm.data import IGNORE_INDEX
-from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.modeling import CCMForCausalLM, evaluating
 
 
 def plain_history(batch: dict[str, torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +69,11 @@ def plain_prompt_logits(
     teacher: CCMForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Logits of `teacher` reading `input_ids` `(batch, len)` as a plain prompt (no `<COMP>` tokens, see
-    `CCMForCausalLM.reading_plain_prompt`), without gradients: `(batch, k, vocab)` at the sorted sequence
-    positions `positions` `(k,)`, or `(batch, len, vocab)` at all of them."""
-    with torch.no_grad(), teacher.reading_plain_prompt():
+    `CCMForCausalLM.reading_plain_prompt`), without gradients and without dropout: `(batch, k, vocab)` at the sorted
+    sequence positions `positions` `(k,)`, or `(batch, len, vocab)` at all of them."""
+    # The teacher is often the student's own base model, in training mode: its dropout (GPT-2's 0.1, say) drew another
+    # target at every step instead of the base model's prediction.
+    with torch.no_grad(), evaluating(teacher), teacher.reading_plain_prompt():
         return teacher.base_model(input_ids=input_ids, logits_to_keep=0 if positions is None else positions).logits
 
 

@@ -1350,6 +1350,22 @@ def _new_one_at_a_time(rotary_class: type[nn.Module]) -> nn.Module:
 _PROBE_KWARG = "ccm_probe"
 
 
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Within the context, every module of `model` is in evaluation mode (no dropout); each gets its own mode back
+    when it ends. A model already in evaluation mode is left untouched."""
+    modes = {module: module.training for module in model.modules()}
+    if not any(modes.values()):
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+
+
 @torch.no_grad()
 def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool:
     """Run `model` on a few tokens at positions `0..n-1` (and, for a rotary model, at `shift..shift+n-1`). Raise a
@@ -1377,13 +1393,11 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
             reached[id(module)] = reached.get(id(module), True) and kwargs.get(_PROBE_KWARG) is True
 
     handles = [module.register_forward_pre_hook(note, with_kwargs=True) for module in attention.values()]
-    modes = {module: module.training for module in model.modules()}
-    model.eval()  # dropout would make the runs differ
     try:
         keys = []
         # In the model's own precision: keys rounded through layers autocast to half precision failed the tolerance of
         # fp32 weights, and streaming was refused for a model that streams.
-        with torch.autocast(ids.device.type, enabled=False):
+        with torch.autocast(ids.device.type, enabled=False), evaluating(model):  # dropout would make the runs differ
             for start in (0, shift) if movable else (0,):
                 cache = DynamicCache()
                 positions = torch.arange(start, start + length, device=ids.device)[None]
@@ -1393,8 +1407,6 @@ def _probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool
     finally:
         for handle in handles:
             handle.remove()
-        for module, training in modes.items():
-            module.train(training)
     if not all(reached.values()):
         raise TypeError(
             f"{type(model).__name__}'s layers do not hand the forward's keyword arguments on to their attention, "
