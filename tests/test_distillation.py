@@ -98,3 +98,14 @@ def test_the_teacher_reads_without_dropout_while_the_student_trains():
             assert torch.allclose(plain_prompt_logits(model, ids), expected, atol=1e-5)
             assert torch.allclose(distillation_loss(model, batch, student), in_eval, atol=1e-6)
     assert all(module.training for module in model.modules())
+
+
+def test_self_distillation_reads_the_base_model_with_an_unconditional_lora_too():
+    # The unconditional ablation's LoRA acts at every position of the plain history too; teacher=None is the base
+    # model all the same, as an untrained full-context baseline reads it.
+    model = fresh(conditional_lora=False)
+    batch = CCMDataCollator(model, supervision="dense")(SAMPLES)
+    with torch.no_grad():
+        student = model(**batch).logits
+        base = distillation_loss(model, batch, student, teacher=tiny_full_context_baseline())
+        assert torch.allclose(distillation_loss(model, batch, student), base, atol=1e-6)

@@ -50,7 +50,7 @@ def distillation_loss(
         batch: a `CCMDataCollator` batch with `labels`.
         student_logits: `(batch, seq, vocab)` logits of the CCM forward on `batch`, or `(batch, k, vocab)` at the
             sequence positions `positions` `(k,)` (what `model(..., logits_at_labels=True)` returns).
-        teacher: the model whose reading of the plain history is the target; None: `model` itself.
+        teacher: the model whose reading of the plain history is the target; None: `model`'s base model.
         num_items_in_batch: the Trainer's count of labels over the gradient-accumulated batches.
     """
     columns = torch.arange(batch["labels"].shape[1], device=student_logits.device) if positions is None else positions
@@ -60,9 +60,24 @@ def distillation_loss(
     rows = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(supervised)
     # The vocabulary projection is only paid where some row is supervised.
     kept, column_in_kept = torch.unique(index[:, columns][supervised], return_inverse=True)
-    teacher_logits = plain_prompt_logits(model if teacher is None else teacher, teacher_ids, kept)
-    target = teacher_logits[rows[supervised], column_in_kept]
+    target = teacher_logits(model, teacher, teacher_ids, kept)[rows[supervised], column_in_kept]
     return kl_to_teacher(student_logits[supervised], target, temperature, num_items_in_batch)
+
+
+def teacher_logits(
+    model: CCMForCausalLM,
+    teacher: CCMForCausalLM | None,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The distillation target for `model`: `plain_prompt_logits` of `teacher`, or without one of `model`'s base
+    model (its adapter off, also where an unconditional LoRA would read a plain prompt with it)."""
+    if teacher is not None:
+        return plain_prompt_logits(teacher, input_ids, positions)
+    # An unconditional LoRA (conditional_lora=False) reads a plain prompt with its LoRA on: the teacher was the
+    # student itself, a target that moved with every step, not the base model the docs promise.
+    with model.adapter_disabled():
+        return plain_prompt_logits(model, input_ids, positions)
 
 
 def plain_prompt_logits(

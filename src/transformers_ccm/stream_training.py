@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_ccm.data import IGNORE_INDEX, token_ids
-from transformers_ccm.distillation import kl_to_teacher, plain_prompt_logits
+from transformers_ccm.distillation import kl_to_teacher, teacher_logits
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
 
@@ -89,7 +89,7 @@ def stream_loss(
     loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())
     if distill_weight:
         streamed = torch.arange(warm, input_ids.shape[1] - 1, device=input_ids.device)
-        target = plain_prompt_logits(model if teacher is None else teacher, input_ids, streamed)
+        target = teacher_logits(model, teacher, input_ids, streamed)
         supervised = targets != IGNORE_INDEX
         loss = loss + distill_weight * kl_to_teacher(
             logits[supervised], target[supervised], temperature, num_items_in_batch
