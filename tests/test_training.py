@@ -34,6 +34,8 @@ from transformers_ccm import (
     StreamingConfig,
 )
 from transformers_ccm.baseline import full_context_config
+from transformers_ccm.data import predicting_positions
+from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.stream_training import StreamCollator
 from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, check_resume, train
 
@@ -840,3 +842,22 @@ def test_train_refuses_no_samples_before_any_work(tmp_path, recipe):
     with pytest.raises(ValueError, match=r"^train_samples is empty; give at least one sample to train on\.$"):
         train(model, None, [], None, tmp_path / "out", recipe)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("at_labels", [False, True])
+@pytest.mark.parametrize("items", [None, 4])
+def test_a_batch_with_nothing_to_predict_has_a_loss_and_gradients_of_zero(at_labels, items):
+    # Empty outputs, one-token contexts (dense supervision labels none of their tokens): a mean over no labels was NaN.
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    samples = [OnlineSample([[5], [6]], [7], []), OnlineSample([[8]], [9], [])]
+    batch = CCMDataCollator(model, supervision="dense")(samples)
+    assert (batch["labels"] == -100).all()
+    extra = {} if items is None else {"num_items_in_batch": items}
+    out = model(**batch, logits_at_labels=at_labels, **extra)
+    positions = predicting_positions(batch["labels"]) if at_labels else None
+    loss = out.loss + distillation_loss(model, batch, out.logits, positions=positions, num_items_in_batch=items)
+    assert loss.item() == 0.0
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            assert parameter.grad is None or not parameter.grad.any(), name

@@ -99,11 +99,12 @@ def kl_to_teacher(
     num_items_in_batch: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) over positions `(positions, vocab)`, scaled by `temperature**2`: summed and divided by
-    `num_items_in_batch` when given, else the mean over the positions.
+    `num_items_in_batch` when given, else the mean over the positions (0 over none).
 
     The Trainer sums the losses of the batches it accumulates (they are normalized by the labels of all of them):
     a mean per batch would weigh the KL `gradient_accumulation` times more than the NLL beside it."""
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
     teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     total = F.kl_div(student, teacher, log_target=True, reduction="sum") * temperature**2
-    return total / (num_items_in_batch if num_items_in_batch is not None else student_logits.shape[0])
+    # A mean over no position (a batch without labels) was NaN; the KL of no position is 0.
+    return total / (num_items_in_batch if num_items_in_batch is not None else max(student_logits.shape[0], 1))

@@ -35,7 +35,7 @@ from transformers_ccm.attention import (
 )
 from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
 from transformers_ccm.config import CCMConfig, base_shape
-from transformers_ccm.data import predicting_positions
+from transformers_ccm.data import IGNORE_INDEX, predicting_positions
 from transformers_ccm.embedded import load_base_model
 from transformers_ccm.hub import check_base_shape
 from transformers_ccm.hub_mixin import AdapterHubMixin
@@ -483,6 +483,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 shift_labels=labels[:, predicting + 1],
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
+        averaged = kwargs.get("num_items_in_batch") is None  # else a sum over no label, 0 already
+        if labels is not None and averaged and not (labels[:, 1:] != IGNORE_INDEX).any():
+            # No label to predict (every output empty): transformers' mean over no token was NaN, which poisoned a
+            # summed or logged loss. The NLL of no token is 0, with zero gradients (still a graph, so backward runs).
+            output.loss = output.logits.sum() * 0.0
         return output
 
     # ----- online inference --------------------------------------------------------------------------------
