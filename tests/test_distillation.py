@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
@@ -109,3 +112,47 @@ def test_self_distillation_reads_the_base_model_with_an_unconditional_lora_too()
         student = model(**batch).logits
         base = distillation_loss(model, batch, student, teacher=tiny_full_context_baseline())
         assert torch.allclose(distillation_loss(model, batch, student), base, atol=1e-6)
+
+
+TOKENS = st.lists(st.integers(3, 90), min_size=1, max_size=4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    samples=st.lists(st.tuples(st.lists(TOKENS, max_size=4), TOKENS, TOKENS), min_size=1, max_size=3),
+    supervision=st.sampled_from(["output", "dense"]),
+    update=st.sampled_from(["concat", "merge"]),
+    temperature=st.sampled_from([1.0, 2.0]),
+)
+def test_the_kl_is_the_base_model_on_the_whole_history_against_the_online_memory(
+    samples, supervision, update, temperature
+):
+    """Summed over a batch, the KL is each sample's own sum of KL(base model reading the plain history || the
+    memory of the online path), label by label: the teacher's positions are the student's, whatever the batch mates
+    and padding."""
+    model = tiny_ccm("llama", update=update, num_comp_tokens=2)
+    online = [OnlineSample(contexts, input_ids, output) for contexts, input_ids, output in samples]
+    batch = CCMDataCollator(model, supervision=supervision, pad_to_multiple_of=8)(online)
+    expected = torch.zeros(())
+    with torch.no_grad():
+        for sample in online:
+            history = [token for context in sample.contexts for token in context] + sample.input + sample.output
+            teacher = tiny_base("llama")(input_ids=torch.tensor([history])).logits[0]
+            cache, start, student, targets = model.new_cache(), 0, [], []
+            for step, context in enumerate(sample.contexts):
+                if supervision == "dense" and step:  # a context's tokens after its first, given the memory before it
+                    student.append(model(input_ids=torch.tensor([context]), past_key_values=cache).logits[0, :-1])
+                    targets.append(teacher[start : start + len(context) - 1])
+                    model.compress(cache)
+                else:
+                    model.compress(cache, torch.tensor([context]))
+                start += len(context)
+            io = torch.tensor([sample.input + sample.output])
+            student.append(model(input_ids=io, past_key_values=cache).logits[0, len(sample.input) - 1 : -1])
+            targets.append(teacher[start + len(sample.input) - 1 : -1])
+            student_log, teacher_log = (
+                F.log_softmax(torch.cat(logits) / temperature, dim=-1) for logits in (student, targets)
+            )
+            expected += (teacher_log.exp() * (teacher_log - student_log)).sum() * temperature**2
+        kl = distillation_loss(model, batch, model(**batch).logits, temperature, num_items_in_batch=1)
+    assert torch.allclose(kl, expected, atol=1e-5, rtol=1e-4)
