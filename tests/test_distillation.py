@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.data import predicting_positions
 from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history, plain_prompt_logits
 
 SAMPLES = [
@@ -156,3 +157,22 @@ def test_the_kl_is_the_base_model_on_the_whole_history_against_the_online_memory
             expected += (teacher_log.exp() * (teacher_log - student_log)).sum() * temperature**2
         kl = distillation_loss(model, batch, model(**batch).logits, temperature, num_items_in_batch=1)
     assert torch.allclose(kl, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_logits_that_do_not_fit_the_batch_are_refused_naming_the_fix():
+    model = tiny_ccm("llama")
+    batch = CCMDataCollator(model)(SAMPLES)
+    with torch.no_grad():
+        full, kept = model(**batch).logits, model(**batch, logits_at_labels=True).logits
+        one = model(**CCMDataCollator(model)(SAMPLES[:1])).logits
+    positions = predicting_positions(batch["labels"])
+    fix = r"logits_at_labels=True\) with positions=predicting_positions"
+    for logits, at in ((full, positions), (kept, None), (one, None)):
+        with pytest.raises(ValueError, match=rf"student_logits of shape \({logits.shape[0]}, .*{fix}"):
+            distillation_loss(model, batch, logits, positions=at)
+    unlabelled = {key: value for key, value in batch.items() if key != "labels"}
+    with pytest.raises(ValueError, match="batch has no labels"):
+        distillation_loss(model, unlabelled, full)
+    assert torch.allclose(
+        distillation_loss(model, batch, kept, positions=positions), distillation_loss(model, batch, full)
+    )

@@ -53,6 +53,7 @@ def distillation_loss(
         teacher: the model whose reading of the plain history is the target; None: `model`'s base model.
         num_items_in_batch: the Trainer's count of labels over the gradient-accumulated batches.
     """
+    _check_student_logits(batch, student_logits, positions)
     columns = torch.arange(batch["labels"].shape[1], device=student_logits.device) if positions is None else positions
     next_label = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)[:, columns]
     supervised = next_label != IGNORE_INDEX
@@ -62,6 +63,26 @@ def distillation_loss(
     kept, column_in_kept = torch.unique(index[:, columns][supervised], return_inverse=True)
     target = teacher_logits(model, teacher, teacher_ids, kept)[rows[supervised], column_in_kept]
     return kl_to_teacher(student_logits[supervised], target, temperature, num_items_in_batch)
+
+
+def _check_student_logits(
+    batch: dict[str, torch.Tensor], student_logits: torch.Tensor, positions: torch.Tensor | None
+) -> None:
+    """Raise a ValueError unless `batch` has labels and `student_logits` has a row per sample and a column per
+    position of `positions` (all of the sequence when None): other logits failed on a bare IndexError of a mask."""
+    if "labels" not in batch:
+        raise ValueError(
+            "The batch has no labels, so no position to distil: collate samples with outputs (or, with "
+            "supervision='dense', a second context) with CCMDataCollator."
+        )
+    rows, length = batch["labels"].shape
+    expected = (rows, length if positions is None else positions.numel())
+    if student_logits.dim() != 3 or tuple(student_logits.shape[:2]) != expected:
+        raise ValueError(
+            f"student_logits of shape {tuple(student_logits.shape)} do not fit the batch, whose (samples, positions) "
+            f"are {expected}: pass the logits of model(**batch) with positions=None, or those of model(**batch, "
+            "logits_at_labels=True) with positions=predicting_positions(batch['labels'])."
+        )
 
 
 def teacher_logits(
