@@ -6,7 +6,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
+from tiny_models import (
+    ARCHITECTURES,
+    InjectedFailure,
+    fail_in_layer,
+    randomize_adapter,
+    tiny_base,
+    tiny_ccm,
+    tiny_full_context_baseline,
+)
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.data import predicting_positions
 from transformers_ccm.distillation import distillation_loss, kl_to_teacher, plain_history, plain_prompt_logits
@@ -176,3 +184,18 @@ def test_logits_that_do_not_fit_the_batch_are_refused_naming_the_fix():
     assert torch.allclose(
         distillation_loss(model, batch, kept, positions=positions), distillation_loss(model, batch, full)
     )
+
+
+def test_a_teacher_pass_that_fails_leaves_the_student_training_with_its_adapter_on():
+    model = fresh().train()
+    batch = CCMDataCollator(model)(SAMPLES)
+    with torch.no_grad():
+        before = model(**batch).logits
+        handle = fail_in_layer(model, layer=1, after_calls=0)
+        try:
+            with pytest.raises(InjectedFailure):
+                distillation_loss(model, batch, before)
+        finally:
+            handle.remove()
+        assert all(module.training for module in model.modules())
+        assert torch.equal(model(**batch).logits, before)  # the LoRA acts at <COMP> positions again
