@@ -51,8 +51,8 @@ TO_ICL = icl:2,personalization:2,dialogue:1
 WITH_CHATS = icl:1,personalization:2,dialogue:1,chat:3
 MORE_DIALOGUE = icl:1,personalization:3,dialogue:2,chat:3
 WITH_PEOPLE = people:3,icl:2,personalization:3,dialogue:2,chat:3
-# The last stages (two for merge, three for concat) ran on one H200 (about 4 to 5 minutes each, docs/training.md); on
-# 2 CPU cores each takes 10 to 20 hours. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
+# The last stages (four for merge, three for concat) ran on one H200 or H100 (about 4 to 6 minutes each,
+# docs/training.md); on 2 CPU cores each takes 10 to 20 hours. $(call gpu_stage,FROM,TASK,STEPS,EVAL_EVERY,SEED,TO) like `distilled`, at batch 32.
 gpu_stage = $(CCM_TRAIN) --model default --init-adapter out/$(1) --task "$(2)" \
 	--distill-weight 1 --distill-teacher ccm:smollm2-full-context --learning-rate 5e-4 --batch-size 32 \
 	--eval-samples 32 --steps $(3) --eval-every $(4) --seed $(5) --output-dir out/$(6)
@@ -60,7 +60,7 @@ gpu_stage = $(CCM_TRAIN) --model default --init-adapter out/$(1) --task "$(2)" \
 # Each stage trains anew, and `ccm train` refuses a folder that holds an earlier run's checkpoints (a later
 # --resume would mix the runs): a rerun clears them first.
 ADAPTER_STAGES = $(foreach n,1 2 3 4 5 6 7 8 9 10,stage$(n)-concat stage$(n)-merge) \
-	$(foreach n,11 12,stage$(n)g-concat stage$(n)g-merge) stage13g-concat
+	$(foreach n,11 12,stage$(n)g-concat stage$(n)g-merge) stage13g-concat stage13h-merge stage14g-merge
 fresh = rm -rf $(foreach folder,$(1),out/$(folder)/checkpoint-*)
 
 adapters: install
@@ -97,7 +97,10 @@ adapters: install
 	$(call gpu_stage,stage11g-merge,$(MORE_DIALOGUE),300,50,32,stage12g-merge)
 	$(call gpu_stage,stage12g-concat,$(WITH_PEOPLE),600,100,41,stage13g-concat)
 	cd out/stage13g-concat && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-concat/
-	cd out/stage12g-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
+	# Merge stages 13 and 14 were stopped by a machine's time limit inside their schedules (400 and 200 steps).
+	$(call gpu_stage,stage12g-merge,$(MORE_DIALOGUE),400,50,42,stage13h-merge) --stop-at-step 300
+	$(call gpu_stage,stage13h-merge,$(MORE_DIALOGUE),200,50,43,stage14g-merge) --stop-at-step 150
+	cd out/stage14g-merge && cp $(ADAPTER_FILES) ../../$(SHIPPED)/smollm2-merge/
 
 # The fine-tuned full-context baseline (the paper's upper bound, about two hours on 2 CPU cores): the concat
 # adapter's three stages with the same tasks, steps, batches, learning rates and seeds, reading the whole history
