@@ -580,3 +580,33 @@ def test_a_cache_implementation_saved_on_the_base_model_is_overridden_and_a_give
         with pytest.raises(ValueError, match=r"cache_implementation=.* asks generate\(\) to build a cache of its own"):
             model.generate(torch.tensor([[20, 21]]), past_key_values=cache, max_new_tokens=2, **asked)
         assert not cache.has_unfolded_turn
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["online", "stream"]),
+    length=st.integers(1, 27),
+    labelled=st.lists(st.integers(0, 26), max_size=3),
+    items=st.sampled_from([None, 3]),
+)
+def test_online_loss_is_zero_without_labels_and_counts_num_items_in_batch(path, length, labelled, items):
+    """Labels all -100 (or one token, which predicts nothing) gave a NaN loss, as the training forward did before; a
+    stream in pieces ignored num_items_in_batch. The loss is the NLL summed over the labelled tokens, divided by
+    num_items_in_batch or by their count (0 over none), on the graph of the logits."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    inputs = _forward_inputs(model, path)
+    ids = inputs["input_ids"][:, :length]
+    labels = torch.full_like(ids, -100)
+    for position in labelled:
+        labels[0, position % length] = ids[0, position % length]
+    extra = {} if items is None else {"num_items_in_batch": items}
+    out = model(input_ids=ids, labels=labels, past_key_values=inputs["past_key_values"], **extra)
+    targets = labels[0, 1:]
+    count = int((targets != -100).sum())
+    total = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), targets, reduction="sum")
+    expected = total / (items if items is not None else max(count, 1))
+    assert not out.loss.isnan()
+    torch.testing.assert_close(out.loss, expected)
+    assert out.loss.requires_grad == out.logits.requires_grad  # on the logits' graph, as a loss with labels is
+    if count == 0:
+        assert out.loss.item() == 0.0

@@ -483,11 +483,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 shift_labels=labels[:, predicting + 1],
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
             )
-        averaged = kwargs.get("num_items_in_batch") is None  # else a sum over no label, 0 already
-        if labels is not None and averaged and not (labels[:, 1:] != IGNORE_INDEX).any():
-            # No label to predict (every output empty): transformers' mean over no token was NaN, which poisoned a
-            # summed or logged loss. The NLL of no token is 0, with zero gradients (still a graph, so backward runs).
-            output.loss = output.logits.sum() * 0.0
+        _zero_loss_without_labels(output, labels, kwargs.get("num_items_in_batch"))
         return output
 
     # ----- online inference --------------------------------------------------------------------------------
@@ -820,6 +816,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     output = self.base_model(
                         **{name: tokens, CACHE_ARGUMENT: cache}, attention_mask=attention_mask, labels=labels, **kwargs
                     )
+                    _zero_loss_without_labels(output, labels, kwargs.get("num_items_in_batch"))
                     cache.end_stream_call()
                     return output
                 cache.input_mask(attention_mask)
@@ -844,8 +841,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 # was.
                 if labels is not None:
                     output.loss = self.base_model.loss_function(
-                        logits=output.logits, labels=labels, vocab_size=output.logits.shape[-1]
+                        logits=output.logits,
+                        labels=labels,
+                        vocab_size=output.logits.shape[-1],
+                        num_items_in_batch=kwargs.get("num_items_in_batch"),
                     )
+                    _zero_loss_without_labels(output, labels, kwargs.get("num_items_in_batch"))
                 cache.end_stream_call()
         return output
 
@@ -1479,6 +1480,17 @@ def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> tor
             f"{entry}."
         )
     return mask
+
+
+def _zero_loss_without_labels(
+    output: CausalLMOutputWithPast, labels: torch.Tensor | None, num_items_in_batch: Any
+) -> None:
+    """Set `output.loss` to 0 when `labels` `(batch, seq)` leave no token to predict and the loss is a mean.
+
+    transformers' mean over no token is NaN, which poisoned a summed or logged loss; the NLL of no token is 0, with
+    zero gradients (still a graph, so backward runs). With `num_items_in_batch` the loss is a sum, 0 already."""
+    if labels is not None and num_items_in_batch is None and not (labels[:, 1:] != IGNORE_INDEX).any():
+        output.loss = output.logits.sum() * 0.0
 
 
 def _changed_during(call: str) -> ValueError:
