@@ -1238,3 +1238,16 @@ def test_weights_replaced_while_an_adapter_is_read_are_read_whole_with_their_man
         assert tensors.keys() == {key.removeprefix(hub_module.PEFT_PREFIX) for key in new.keys()}  # noqa: SIM118
         for key in new.keys():  # noqa: SIM118 (safe_open is no dict)
             assert torch.equal(tensors[key.removeprefix(hub_module.PEFT_PREFIX)], new.get_tensor(key))
+
+
+def test_torch_dtype_and_dtype_are_one_argument(tmp_path, base_folder):
+    """Both gave a raw "got multiple values for keyword argument 'dtype'"; either alone loads the base in it."""
+    _adapter(str(base_folder)).save_pretrained(tmp_path / "adapter")
+    for dtype in ({"torch_dtype": torch.float16}, {"dtype": torch.float16}):
+        assert CCMForCausalLM.from_pretrained(tmp_path / "adapter", **dtype).dtype == torch.float16
+    message = (
+        r"^from_pretrained got both torch_dtype=torch\.float16 and dtype=torch\.bfloat16, two names for the base "
+        r"model's dtype; pass only dtype= \(transformers 5's name; torch_dtype is its older alias\)\.$"
+    )
+    with pytest.raises(TypeError, match=message):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter", torch_dtype=torch.float16, dtype=torch.bfloat16)

@@ -125,8 +125,14 @@ class AdapterHubMixin:
         (a path, Hub id or loaded model) is given. Its architecture and sizes are checked against the adapter
         before any weight is loaded. `base_kwargs` go to the base model's `from_pretrained`. As in PEFT, `subfolder` is
         the adapter's folder inside `name_or_path`, and `local_files_only` reads the adapter (and the base model)
-        from the Hub cache only.
+        from the Hub cache only. `torch_dtype` and `dtype` (transformers 5's name for it, in `base_kwargs`) are one
+        argument: give one of them.
         """
+        if torch_dtype is not None and "dtype" in base_kwargs:  # else a raw "multiple values for 'dtype'" below
+            raise TypeError(
+                f"from_pretrained got both torch_dtype={torch_dtype!r} and dtype={base_kwargs['dtype']!r}, two names "
+                "for the base model's dtype; pass only dtype= (transformers 5's name; torch_dtype is its older alias)."
+            )
         folder = resolve_adapter(
             name_or_path,
             revision=revision,
