@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
-from tiny_models import randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
 from transformers_ccm.config import CONFIG_MAX_BYTES
@@ -893,6 +894,7 @@ def test_a_failed_load_gives_the_given_base_model_back_as_it_was(tmp_path):
     assert {name: type(module) for name, module in base.named_modules()} == modules
     assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in base.modules())
     assert base.config._attn_implementation == "sdpa" and not hasattr(base, "peft_config")
+    assert "save_pretrained" not in vars(base)  # its class's own again
     for name, parameter in base.named_parameters():
         assert parameter.requires_grad == state[name][0] and torch.equal(parameter, state[name][1]), name
     with torch.no_grad():
@@ -1251,3 +1253,30 @@ def test_torch_dtype_and_dtype_are_one_argument(tmp_path, base_folder):
     )
     with pytest.raises(TypeError, match=message):
         CCMForCausalLM.from_pretrained(tmp_path / "adapter", torch_dtype=torch.float16, dtype=torch.bfloat16)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(architecture=st.sampled_from(ARCHITECTURES), explicit=st.booleans())
+def test_the_wrapped_base_saves_its_own_weights(tmp_path_factory, architecture, explicit):
+    """`base.save_pretrained` after `from_base(base)` wrote the LoRA's entries and `base_layer` names: a reload got
+    random attention weights (transformers only printed its table of missing and unexpected keys)."""
+    base = tiny_base(architecture)
+    expected = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    with torch.no_grad():
+        expected_logits = base(PROMPT).logits
+    model = randomize_adapter(CCMForCausalLM.from_base(base, CCMConfig()))
+    before = _answer(model)
+    folder = tmp_path_factory.mktemp("base")
+    base.save_pretrained(folder, **({"state_dict": base.state_dict()} if explicit else {}))
+    implementation = "eager" if architecture in ("llama-eager", "gemma2", "gpt-oss") else "sdpa"
+    reloaded, info = AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation=implementation, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    got = reloaded.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(PROMPT).logits, expected_logits)
+    for got_answer, expected_answer in zip(_answer(model), before, strict=True):  # the model itself is untouched
+        assert torch.equal(got_answer, expected_answer)

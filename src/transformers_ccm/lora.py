@@ -130,6 +130,22 @@ def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
     return [module for module in model.modules() if isinstance(module, LoraLayer)]
 
 
+def without_lora(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict`, of `model` with LoRA layers, as the model without them has it (as after PEFT's `unload()`): each
+    LoRA layer's own entries dropped, `<layer>.base_layer.<name>` renamed `<layer>.<name>`."""
+    layers = {name for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    kept = {}
+    for key, value in state_dict.items():
+        parts = key.split(".")
+        # The LoRA layer the entry belongs to, if any (none is inside another).
+        depth = next((i for i in range(1, len(parts)) if ".".join(parts[:i]) in layers), None)
+        if depth is None:
+            kept[key] = value
+        elif parts[depth] == "base_layer":
+            kept[".".join(parts[:depth] + parts[depth + 1 :])] = value
+    return kept
+
+
 @dataclass(frozen=True)
 class _GateState:
     """Where the LoRA acts in the current call: at `mask` (`(batch, seq)` bool), nowhere when `suppressed`."""

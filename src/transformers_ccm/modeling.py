@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -47,6 +48,7 @@ from transformers_ccm.lora import (
     attention_modules,
     inject_lora,
     lora_layers,
+    without_lora,
 )
 from transformers_ccm.masks import SlidingWindow, as_block_masks, comp_ranks, windowed_block_attention
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
@@ -209,6 +211,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
         _use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
+        # transformers saved the LoRA's entries and renamed weights, which a reload read as missing weights (random
+        # attention, with a warning only); the base saves its own weights, as PEFT's `unload()` gives them back.
+        base_model.save_pretrained = functools.partial(_save_base_weights, base_model)
         for module in _frequency_setting_rotaries(base_model):
             self._rotary_classes.append((module, type(module)))
             module.__class__ = _one_at_a_time(type(module))
@@ -349,6 +354,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 setattr(self.base_model.get_submodule(parent), child, module.get_base_layer())
         if hasattr(self.base_model, "peft_config"):
             del self.base_model.peft_config
+        self.base_model.__dict__.pop("save_pretrained", None)
         self.base_model.set_attn_implementation(attention)
         for name, parameter in self.base_model.named_parameters():
             parameter.requires_grad_(requires_grad[name])
@@ -1480,6 +1486,15 @@ def _checked_mask(mask: Any, tokens: torch.Tensor, name: str, entry: str) -> tor
             f"{entry}."
         )
     return mask
+
+
+def _save_base_weights(base_model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+    """`base_model.save_pretrained(...)` while wrapped: its base weights under their own names, the LoRA left out (it
+    is the adapter's, which `CCMForCausalLM.save_pretrained` saves)."""
+    call = inspect.signature(type(base_model).save_pretrained).bind(base_model, *args, **kwargs)
+    given = call.arguments.get("state_dict")
+    call.arguments["state_dict"] = without_lora(base_model, base_model.state_dict() if given is None else given)
+    return type(base_model).save_pretrained(*call.args, **call.kwargs)
 
 
 def _zero_loss_without_labels(
