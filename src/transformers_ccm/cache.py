@@ -30,11 +30,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import _TYPES as SAFETENSORS_DTYPES  # its names of torch's dtypes
+from safetensors.torch import load, save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
@@ -1218,14 +1219,17 @@ class CompressedMemoryCache(Cache):
             kind = "a folder" if os.path.isdir(path) else "not a regular file"
             raise ValueError(f"{path} is {kind}, not a memory file; give the file that cache.save() wrote.")
         try:
-            with safe_open(path, framework="pt") as file:
-                metadata = file.metadata() or {}
-                tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+            with open(path, "rb") as file:
+                # The header first (signature, names, dtypes, shapes): a file of another model, or one that declares
+                # tensors of any other size, is refused before any of its data is read or mapped.
+                content = _MemoryFile(path, *_safetensors_header(file, path), spec)
+                file.seek(0)
+                tensors = load(file.read())  # the bytes the header was read from, not the file again
         except FileNotFoundError:
             raise FileNotFoundError(f"No memory file at {path}.") from None
         except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
             raise ValueError(f"{path} is not a readable safetensors memory file ({error}).") from None
-        content = _MemoryFile(path, metadata, tensors, spec)
+        content.read(tensors)
         cache = cls(spec, content.batch_size, streaming=content.streaming)
         device = spec.device
         # Every row tensor on the model's device, those of the empty turn too: a call moves the rows only when their
@@ -1247,11 +1251,50 @@ class CompressedMemoryCache(Cache):
         return cache
 
 
-class _MemoryFile:
-    """The checked content of a memory file; every check runs in `__init__`, before anything is built."""
+# safetensors' own bound on a header's length: a longer one is no file it wrote, and reading it would take that memory.
+_MOST_HEADER_BYTES = 100_000_000
 
-    def __init__(self, path: str, metadata: dict[str, str], tensors: dict[str, torch.Tensor], spec: CacheSpec) -> None:
-        self.path, self.tensors, self.spec = path, tensors, spec
+
+class _Declared(NamedTuple):
+    """A tensor as a safetensors header declares it, known without reading its data."""
+
+    dtype: torch.dtype | str
+    shape: torch.Size
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _safetensors_header(file: BinaryIO, path: str) -> tuple[dict[str, str], dict[str, _Declared]]:
+    """The metadata and the declared tensors of the safetensors file open as `file`, read from its header only."""
+    unreadable = f"{path} is not a readable safetensors memory file"
+    prefix = file.read(8)
+    size = int.from_bytes(prefix, "little")
+    if len(prefix) < 8 or size > _MOST_HEADER_BYTES:
+        raise ValueError(f"{unreadable} (it begins with no safetensors header length: {size} bytes).")
+    header = parse_json_object(file.read(size), f"{unreadable}: its header", "save the memory again.")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise ValueError(f"{unreadable} (its metadata is not a map of strings).")
+    try:
+        # A dtype torch cannot hold stays its name: no expected dtype equals it.
+        declared = {
+            name: _Declared(SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), torch.Size(entry["shape"]))
+            for name, entry in header.items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{unreadable} (a tensor's entry in its header is wrong: {error!r}).") from None
+    return metadata, declared
+
+
+class _MemoryFile:
+    """The checked content of a memory file, before anything is built: `__init__` checks the header (format,
+    signature, the name, dtype and shape of every tensor), `read` the values of the tensors it declares."""
+
+    def __init__(self, path: str, metadata: dict[str, str], declared: dict[str, _Declared], spec: CacheSpec) -> None:
+        # The declared tensors until `read` gives their values: every check before it needs only dtypes and shapes.
+        self.path, self.tensors, self.spec = path, declared, spec
         header = self._header(metadata)
         version = header.get("format_version")
         # A later version would still be a number written in decimal ("4"): anything else ("3.0", " 3") is damage,
@@ -1283,8 +1326,20 @@ class _MemoryFile:
                 MEMORY_FORMAT_VERSION,
             )
         self.streaming, self.stream_state = self._streaming(header.get("streaming"))
-        self._check_rows()
-        self._check_layers()
+        self._check_row_layout()
+        self._check_layer_layout()
+
+    def read(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Check the values of `tensors`, the file's tensors as `__init__` checked them declared."""
+        declared, self.tensors = self.tensors, tensors
+        if {name: _Declared(tensor.dtype, tensor.shape) for name, tensor in tensors.items()} != declared:
+            # Written in place between the header's checks and the read of the data.
+            raise ValueError(f"{self.path} changed while it was read; load it again.")
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise self._fail(f"'{name}' holds values that are not finite")
+        self._check_row_values()
+        self._check_layer_values()
 
     def _fail(self, problem: str) -> ValueError:
         return ValueError(f"{self.path} is not a valid memory file: {problem}. Save the memory again.")
@@ -1334,7 +1389,7 @@ class _MemoryFile:
     def batch_size(self) -> int:
         return self.tensors["next_position"].shape[0]
 
-    def _tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _check_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         tensor = self.tensors.get(name)
         if tensor is None:
             raise self._fail(f"the tensor '{name}' is missing")
@@ -1342,24 +1397,41 @@ class _MemoryFile:
             raise self._fail(
                 f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected {dtype} of shape {shape}"
             )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise self._fail(f"'{name}' holds values that are not finite")
-        return tensor
 
-    def _check_rows(self) -> None:
+    def _check_row_layout(self) -> None:
         positions = self.tensors.get("next_position")
         if positions is None or positions.ndim != 1 or positions.shape[0] < 1:
             raise self._fail("'next_position' must be a non-empty 1-D tensor (one entry per user)")
         batch = self.batch_size
         mask = self.tensors.get("memory_mask")
         width = mask.shape[-1] if mask is not None and mask.ndim == 2 else -1
-        self._tensor("memory_mask", torch.bool, (batch, width))
-        self._tensor("next_position", torch.long, (batch,))
-        steps = self._tensor("steps", torch.long, (batch,))
+        self._check_tensor("memory_mask", torch.bool, (batch, width))
+        self._check_tensor("next_position", torch.long, (batch,))
+        self._check_tensor("steps", torch.long, (batch,))
         # Written only for a memory that was re-based (files before it never are).
-        rebased = torch.zeros_like(steps)
         if "rebased" in self.tensors:
-            rebased = self._tensor("rebased", torch.long, (batch,))
+            self._check_tensor("rebased", torch.long, (batch,))
+        most = self._most_slots
+        if width > most or (self.spec.config.update != "concat" and width not in (0, self.spec.config.num_comp_tokens)):
+            raise self._fail(f"it holds {width} memory slots, more than this adapter's memory can ({most})")
+
+    @property
+    def _most_slots(self) -> int:
+        """The most memory slots a row of this adapter's memory holds."""
+        config = self.spec.config
+        if self.streaming is not None:
+            return self.streaming.memory_slots(config)
+        if config.update == "concat":
+            return (
+                config.max_memory_tokens
+                if config.max_memory_tokens is not None
+                else self.tensors["memory_mask"].shape[1]
+            )
+        return config.num_comp_tokens
+
+    def _check_row_values(self) -> None:
+        positions, mask, steps = (self.tensors[name] for name in ("next_position", "memory_mask", "steps"))
+        rebased = self.tensors.get("rebased", torch.zeros_like(steps))
         # Their sum is the row's history in tokens: one that overflows int64 wraps to a negative count.
         history = positions + rebased
         if any(bool((values < 0).any()) for values in (positions, steps, rebased, history)):
@@ -1369,15 +1441,7 @@ class _MemoryFile:
                 f"its rows have taken in {history.tolist()} tokens ('next_position' + 'rebased'), more than any memory "
                 f"does ({_MOST_HISTORY_TOKENS})"
             )
-        config, n = self.spec.config, self.spec.config.num_comp_tokens
-        if self.streaming is not None:
-            most = self.streaming.memory_slots(config)
-        elif config.update == "concat":
-            most = config.max_memory_tokens if config.max_memory_tokens is not None else width
-        else:
-            most = n
-        if width > most or (config.update != "concat" and width not in (0, n)):
-            raise self._fail(f"it holds {width} memory slots, more than this adapter's memory can ({most})")
+        most = self._most_slots
         if bool((mask.sum(dim=1) > most).any()):
             raise self._fail(f"a row owns more than {most} memory slots")
         if self.streaming is None:
@@ -1450,7 +1514,7 @@ class _MemoryFile:
                 "follow it"
             )
 
-    def _check_layers(self) -> None:
+    def _check_layer_layout(self) -> None:
         spec, batch, memory = self.spec, self.batch_size, self.tensors["memory_mask"].shape[1]
         length = memory
         if self.streaming is not None:
@@ -1476,20 +1540,23 @@ class _MemoryFile:
             ):
                 expected["float_keys"] = (torch.float32, expected["keys"][1])
             for name, (dtype, shape) in expected.items():
-                self._tensor(f"layers.{index}.{name}", dtype, shape)
+                self._check_tensor(f"layers.{index}.{name}", dtype, shape)
                 known.add(f"layers.{index}.{name}")
-            if "accumulated_keys" in expected:
+        unknown = sorted(set(self.tensors) - known)
+        if unknown:
+            raise self._fail(f"it holds unexpected tensors {unknown[:4]}")
+
+    def _check_layer_values(self) -> None:
+        for index in range(self.spec.num_layers):
+            if f"layers.{index}.accumulated_keys" in self.tensors:
                 self._check_average(index)
-            if "float_keys" in expected and not torch.equal(
-                self.tensors[f"layers.{index}.keys"], self.tensors[f"layers.{index}.float_keys"].to(spec.dtype)
+            if f"layers.{index}.float_keys" in self.tensors and not torch.equal(
+                self.tensors[f"layers.{index}.keys"], self.tensors[f"layers.{index}.float_keys"].to(self.spec.dtype)
             ):
                 # `restore` moves the keys from their float32 copy: keys that differ would be silently replaced.
                 raise self._fail(
                     f"'layers.{index}.keys' is not the cast of its float32 copy 'layers.{index}.float_keys'"
                 )
-        unknown = sorted(set(self.tensors) - known)
-        if unknown:
-            raise self._fail(f"it holds unexpected tensors {unknown[:4]}")
 
     def _check_average(self, index: int) -> None:
         """Raise unless layer `index`'s memory is the cast of its float32 average, as the model always leaves it:
