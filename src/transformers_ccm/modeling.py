@@ -595,6 +595,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"{type(context_ids).__name__}: tokenize text with tokenizer(text, add_special_tokens=False), and pad "
                 "rows of different lengths, marking the padding in attention_mask."
             ) from None
+        _check_tensor(context_ids, "context_ids")
         context_ids = context_ids[None] if context_ids.ndim == 1 else context_ids
         if context_ids.ndim != 2:
             raise ValueError(f"context_ids must be 1-D or 2-D (batch, len), got shape {tuple(context_ids.shape)}.")
@@ -1117,9 +1118,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._check_ids(input_ids.masked_fill(comp_mask.bool(), 0), "input_ids")  # embed() ignores <COMP> ids
 
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
-        """Raise if `ids` are not integer token ids of this model's vocabulary (checked before anything runs)."""
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}.")
+        """Raise if `ids` are not int64 or int32 token ids of this model's vocabulary (checked before anything runs):
+        torch's embedding takes no other dtype, and failed deep inside it."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"{what} must hold integer token ids of dtype torch.int64 (or torch.int32), got dtype {ids.dtype}; "
+                f"cast them with {what}.long()."
+            )
         vocabulary = self.vocabulary_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
@@ -1539,6 +1544,8 @@ def _check_tensor(tokens: Any, name: str) -> None:
         raise TypeError(
             f"{name} must be a torch.Tensor, got {type(tokens).__name__}; wrap token ids with torch.tensor([ids])."
         )
+    if tokens.is_meta:  # its values, read by every check, do not exist
+        raise ValueError(f"{name} is on the meta device, which holds no values; pass a tensor with its values.")
 
 
 def passed_cache(kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,103 @@
+"""Odd but plausible arguments to the public calls: each call either gives the result of the canonical call (a
+LongTensor of ids) or refuses with a ValueError/TypeError naming the argument, leaving the cache as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fault_injection import assert_same, snapshot
+from tiny_models import VOCAB, tiny_ccm
+from transformers_ccm import CompressedMemoryCache
+
+IDS = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+# Ways a caller may hold the ids `(batch, len)` long.
+ID_VARIANTS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "long": lambda ids: ids,
+    "list": lambda ids: ids.tolist(),
+    "numpy": lambda ids: ids.numpy(),
+    "int32": lambda ids: ids.int(),
+    "int16": lambda ids: ids.short(),
+    "int8": lambda ids: ids.to(torch.int8),
+    "uint8": lambda ids: ids.to(torch.uint8),
+    "float": lambda ids: ids.float(),
+    "bool": lambda ids: ids.bool(),
+    "meta": lambda ids: ids.to("meta"),
+    "non-contiguous": lambda ids: torch.stack([ids, ids], dim=-1)[..., 0],
+    "transposed view": lambda ids: ids.t().contiguous().t(),
+    "requires grad": lambda ids: ids.float().requires_grad_(),
+    "0-d": lambda ids: ids[0, 0],
+    "no rows": lambda ids: ids[:0],
+    "no columns": lambda ids: ids[:, :0],
+    "negative": lambda ids: ids - 6,
+    "past the vocabulary": lambda ids: ids + VOCAB,
+    "huge": lambda ids: ids + 2**62,
+    "None inside": lambda ids: [[None, *row[1:]] for row in ids.tolist()],
+}
+
+
+def _compress(model: Any, cache: CompressedMemoryCache, ids: Any) -> Any:
+    model.compress(cache, ids)
+
+
+def _generate(model: Any, cache: CompressedMemoryCache, ids: Any) -> Any:
+    return model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def _forward(model: Any, cache: CompressedMemoryCache, ids: Any) -> Any:
+    return model(input_ids=ids, past_key_values=cache).logits
+
+
+CALLS = {"compress": _compress, "generate": _generate, "forward": _forward}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=st.sampled_from(sorted(CALLS)), variant=st.sampled_from(sorted(ID_VARIANTS)))
+def test_token_ids_in_any_form_give_the_canonical_result_or_a_named_refusal(call: str, variant: str) -> None:
+    model = tiny_ccm("llama")
+    canonical = model.new_cache(2)
+    model.compress(canonical, torch.tensor([[3, 4, 5], [6, 7, 8]]))
+    cache = canonical.copy()
+    want = CALLS[call](model, canonical, IDS)
+    before = snapshot(cache)
+    try:
+        got = CALLS[call](model, cache, ID_VARIANTS[variant](IDS))
+    except (ValueError, TypeError) as error:
+        argument = "context_ids" if call == "compress" else "input_ids"
+        assert argument in str(error), str(error)
+        assert_same(snapshot(cache), before)
+        return
+    assert variant not in ("float", "bool", "meta", "negative", "past the vocabulary", "huge", "None inside")
+    if want is not None:
+        assert torch.equal(got, want)
+    assert_same(snapshot(cache), snapshot(canonical))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_training_forward_refuses_narrow_integer_ids_naming_the_cast(dtype: torch.dtype) -> None:
+    model = tiny_ccm("llama")
+    ids = IDS.to(dtype)
+    batch = {
+        "segment_ids": torch.zeros_like(IDS),
+        "comp_mask": torch.zeros_like(IDS, dtype=torch.bool),
+        "position_ids": torch.arange(4).expand(2, 4),
+    }
+    with pytest.raises(ValueError, match=r"input_ids must hold .* torch.int64 .* input_ids.long\(\)"):
+        model(input_ids=ids, **batch)
+
+
+def test_inputs_embeds_on_the_meta_device_are_refused_naming_them() -> None:
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, IDS)
+    before = snapshot(cache)
+    embeds = torch.zeros(2, 3, 32, device="meta")
+    with pytest.raises(ValueError, match="inputs_embeds is on the meta device"):
+        model(inputs_embeds=embeds, past_key_values=cache)
+    assert_same(snapshot(cache), before)
