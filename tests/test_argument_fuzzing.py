@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import GenerationConfig, StoppingCriteria
 
 from fault_injection import assert_same, snapshot
 from tiny_models import VOCAB, tiny_ccm
@@ -101,3 +103,46 @@ def test_inputs_embeds_on_the_meta_device_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="inputs_embeds is on the meta device"):
         model(inputs_embeds=embeds, past_key_values=cache)
     assert_same(snapshot(cache), before)
+
+
+class _StepLimit(StoppingCriteria):
+    """Fails a generation that runs past `steps` steps (one that was asked for 2 tokens, or never stops)."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.left -= 1
+        if self.left < 0:
+            raise AssertionError("generate() ran past every length it was given")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(["max_new_tokens", "max_length", "min_new_tokens", "min_length"]),
+    value=st.sampled_from([float("nan"), float("inf"), 2.0, "2", True, torch.tensor(2)]),
+    in_config=st.booleans(),
+)
+def test_generation_lengths_that_are_no_whole_number_are_refused(name: str, value: Any, in_config: bool) -> None:
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, IDS)
+    before = snapshot(cache)
+    setting: dict[str, Any] = {name: value}
+    if in_config:
+        config = GenerationConfig(max_new_tokens=2, do_sample=False)
+        setattr(config, name, value)  # as a loaded generation_config.json may hold it
+        setting = {"generation_config": config}
+    limit = {} if name == "max_new_tokens" else {"max_new_tokens": 2}
+    with pytest.raises(ValueError, match=f"{name} must be a whole number of tokens"):
+        model.generate(IDS, past_key_values=cache, stopping_criteria=[_StepLimit(50)], **limit, **setting)
+    assert_same(snapshot(cache), before)
+
+
+def test_generation_lengths_as_numpy_integers_equal_ints() -> None:
+    model = tiny_ccm("llama")
+    caches = [model.new_cache(2) for _ in range(2)]
+    got = model.generate(IDS, past_key_values=caches[0], max_new_tokens=np.int64(3), do_sample=False)
+    want = model.generate(IDS, past_key_values=caches[1], max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)

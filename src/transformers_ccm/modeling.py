@@ -8,6 +8,7 @@ import functools
 import inspect
 import itertools
 import logging
+import numbers
 import os
 import threading
 import weakref
@@ -693,6 +694,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         "reply to nothing and fold that reply into their memory; give every row at least one token "
                         "with mask 1 (or leave those users out of the batch)."
                     )
+            _check_token_counts(kwargs, kwargs.get("generation_config") or self.generation_config)
             settings = self._generation_settings(kwargs)
             if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
                 raise ValueError(
@@ -1530,6 +1532,15 @@ def _check_one_piece(cache: CompressedMemoryCache, length: int, asked: list[str]
             f"{' and '.join(asked)} with {length} tokens, which the stream runs in pieces of {step} that each attend "
             f"to a different window ({why}); pass at most {step} tokens per call{how}."
         )
+
+
+def _check_token_counts(kwargs: dict[str, Any], config: GenerationConfig) -> None:
+    """Raise unless the lengths `generate()` runs to (keyword arguments, else `config`'s) are whole numbers: a NaN
+    `max_new_tokens` passed transformers' checks and no length ever reached it, so generation never stopped."""
+    for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+        value = kwargs[name] if name in kwargs else getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be a whole number of tokens, such as 32, got {value!r}.")
 
 
 def _check_is_cache(cache: Any) -> None:
