@@ -146,3 +146,46 @@ def test_generation_lengths_as_numpy_integers_equal_ints() -> None:
     got = model.generate(IDS, past_key_values=caches[0], max_new_tokens=np.int64(3), do_sample=False)
     want = model.generate(IDS, past_key_values=caches[1], max_new_tokens=3, do_sample=False)
     assert torch.equal(got, want)
+
+
+LABEL_VARIANTS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "long": lambda labels: labels,
+    "ignored": lambda labels: labels.masked_fill(labels > 7, -100),
+    "list": lambda labels: labels.tolist(),
+    "int32": lambda labels: labels.int(),
+    "float": lambda labels: labels.float(),
+    "meta": lambda labels: labels.to("meta"),
+    "past the vocabulary": lambda labels: labels + VOCAB,
+    "negative": lambda labels: labels - 20,
+    "one short": lambda labels: labels[:, :-1],
+    "one row": lambda labels: labels[:1],
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(variant=st.sampled_from(sorted(LABEL_VARIANTS)), online=st.booleans())
+def test_labels_in_any_form_give_the_canonical_loss_or_a_named_refusal(variant: str, online: bool) -> None:
+    model = tiny_ccm("llama")
+    batch: dict[str, Any] = {
+        "segment_ids": torch.zeros_like(IDS),
+        "comp_mask": torch.zeros_like(IDS, dtype=torch.bool),
+        "position_ids": torch.arange(4).expand(2, 4),
+    }
+    canonical = model.new_cache(2)
+    model.compress(canonical, IDS)
+    cache = canonical.copy()
+    if online:
+        batch = {"past_key_values": canonical}
+    labels = LABEL_VARIANTS[variant](IDS)
+    want = model(input_ids=IDS, labels=LABEL_VARIANTS["ignored" if variant == "ignored" else "long"](IDS), **batch)
+    before = snapshot(cache)
+    if online:
+        batch = {"past_key_values": cache}
+    try:
+        got = model(input_ids=IDS, labels=labels, **batch)
+    except (ValueError, TypeError) as error:
+        assert "labels" in str(error), str(error)
+        assert_same(snapshot(cache), before)
+        return
+    assert variant in ("long", "ignored")
+    assert torch.equal(got.loss, want.loss)

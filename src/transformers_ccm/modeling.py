@@ -806,6 +806,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             if tokens is None:
                 raise ValueError("An online forward takes input_ids (or inputs_embeds).")
             self._check_tokens(tokens, name, cache)
+            if labels is not None:
+                self._check_labels(labels, tuple(tokens.shape[:2]))
             if attention_mask is not None:
                 attention_mask = _as_mask(attention_mask, tokens.device, "input token")
                 new = tokens.shape[1]
@@ -1118,6 +1120,21 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "CCMDataCollator."
             )
         self._check_ids(input_ids.masked_fill(comp_mask.bool(), 0), "input_ids")  # embed() ignores <COMP> ids
+        if others.get("labels") is not None:
+            self._check_labels(others["labels"], tuple(input_ids.shape))
+
+    def _check_labels(self, labels: Any, shape: tuple[int, ...]) -> None:
+        """Raise unless `labels` are int64 `shape` `(batch, seq)`, each -100 or a token id of this model's vocabulary:
+        the loss failed deep inside torch (an `IndexError`, on CUDA a device-side assert)."""
+        _check_tensor(labels, "labels")
+        if tuple(labels.shape) != shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)} but the input {shape}; give one label per token.")
+        if labels.dtype != torch.int64:
+            raise ValueError(
+                f"labels must hold torch.int64 token ids (or -100), got dtype {labels.dtype}; cast them with "
+                "labels.long()."
+            )
+        self._check_ids(labels.masked_fill(labels == IGNORE_INDEX, 0), "labels")  # -100: no label at that token
 
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         """Raise if `ids` are not int64 or int32 token ids of this model's vocabulary (checked before anything runs):
