@@ -189,3 +189,15 @@ def test_labels_in_any_form_give_the_canonical_loss_or_a_named_refusal(variant: 
         return
     assert variant in ("long", "ignored")
     assert torch.equal(got.loss, want.loss)
+
+
+@pytest.mark.parametrize("model", [None, "llama", 3, torch.zeros(1)])
+def test_loading_a_memory_for_something_other_than_a_model_is_refused_naming_it(model: Any, tmp_path: Any) -> None:
+    ccm = tiny_ccm("llama")
+    cache = ccm.new_cache(2)
+    ccm.compress(cache, IDS)
+    cache.save(tmp_path / "memory.safetensors")
+    with pytest.raises(TypeError, match=r"pass that CCMForCausalLM \(or its cache_spec\(\)\) as model"):
+        CompressedMemoryCache.load(tmp_path / "memory.safetensors", model)
+    loaded = CompressedMemoryCache.load(tmp_path / "memory.safetensors", ccm.cache_spec())
+    assert_same(snapshot(loaded), snapshot(cache))

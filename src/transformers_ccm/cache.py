@@ -1212,6 +1212,11 @@ class CompressedMemoryCache(Cache):
         (weights included) and adapter, and every tensor's name, dtype and shape. Any problem raises a
         `ValueError` that names it.
         """
+        if not isinstance(model, CacheSpec) and not callable(getattr(model, "cache_spec", None)):
+            raise TypeError(
+                "CompressedMemoryCache.load() reads a memory for the model it was saved with: pass that CCMForCausalLM "
+                f"(or its cache_spec()) as model, got {type(model).__name__}."
+            )
         spec = model if isinstance(model, CacheSpec) else model.cache_spec()
         path = os.fspath(path)
         if os.path.exists(path) and not os.path.isfile(path):
