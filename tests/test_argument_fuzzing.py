@@ -3,6 +3,9 @@ LongTensor of ids) or refuses with a ValueError/TypeError naming the argument, l
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -201,3 +204,17 @@ def test_loading_a_memory_for_something_other_than_a_model_is_refused_naming_it(
         CompressedMemoryCache.load(tmp_path / "memory.safetensors", model)
     loaded = CompressedMemoryCache.load(tmp_path / "memory.safetensors", ccm.cache_spec())
     assert_same(snapshot(loaded), snapshot(cache))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.sampled_from(["", None, 5, b"adapter"]), what=st.sampled_from(["adapter", "memory"]))
+def test_a_save_to_an_empty_or_non_path_writes_nothing_and_names_the_argument(path: Any, what: str) -> None:
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, IDS)
+    name = "save_directory" if what == "adapter" else "path"
+    # In a folder of its own: an empty path named the current folder, and the save wrote its files there.
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        with pytest.raises((ValueError, TypeError), match=f"{name} (is empty|must be a path)"):
+            model.save_pretrained(path) if what == "adapter" else cache.save(path)
+        assert os.listdir(".") == []

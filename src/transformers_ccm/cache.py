@@ -39,7 +39,7 @@ from safetensors.torch import load, save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.files import replace_file
+from transformers_ccm.files import checked_path, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
@@ -1170,7 +1170,7 @@ class CompressedMemoryCache(Cache):
             self._save(path)
 
     def _save(self, path: str | os.PathLike[str]) -> None:
-        target = os.path.abspath(os.fspath(path))
+        target = os.path.abspath(checked_path(path, "path", "memory.safetensors"))
         if os.path.isdir(target):
             raise IsADirectoryError(f"{path} is a folder; save the memory to a file such as {path}/memory.safetensors.")
         if not os.path.isdir(os.path.dirname(target)):

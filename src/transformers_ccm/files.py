@@ -25,6 +25,18 @@ except ImportError:  # Windows: no advisory locks; the adapter's manifest still 
 STAGING_PREFIX = ".ccm-saving-"
 
 
+def checked_path(path: object, name: str, example: str) -> str:
+    """`path` as a string, refused unless it is a non-empty str or `os.PathLike`: an empty one named the current
+    folder (`Path("")` is `.`), where a save wrote over the files there, a README.md among them. `name` is the
+    argument, `example` a path to suggest."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str):  # bytes paths too: the names written beside them are str
+        raise TypeError(f"{name} must be a path (a str or os.PathLike) such as {example!r}, got {type(path).__name__}.")
+    if not text:
+        raise ValueError(f"{name} is empty; give a path such as {example!r} ('.' for the current folder).")
+    return text
+
+
 def replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
     """Replace the file at `path` (or, for a symbolic link, the file it leads to) in one rename with what
     `write(temporary_path)` writes; a failed or interrupted write keeps the earlier file and leaves nothing behind."""

@@ -32,7 +32,7 @@ from safetensors.torch import load, save_file
 
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
-from transformers_ccm.files import folder_lock, made_folder, replace_files
+from transformers_ccm.files import checked_path, folder_lock, made_folder, replace_files
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.validation import is_int
 
@@ -91,7 +91,7 @@ def save_adapter(
     model; the given one is left as it is) and `tensors` (PEFT key names without prefix, and
     `COMP_EMBEDDINGS_KEY`). The model card tells to load it by `repo_id` (default: `ccm:<name>` inside the
     package's adapters folder, else the folder's path)."""
-    folder = Path(save_directory)
+    folder = Path(checked_path(save_directory, "save_directory", "my-adapter"))
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
