@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from transformers import GenerationConfig, StoppingCriteria
 
 from fault_injection import assert_same, snapshot
 from tiny_models import VOCAB, tiny_ccm
-from transformers_ccm import CompressedMemoryCache
+from transformers_ccm import CCMDataCollator, CompressedMemoryCache, OnlineSample
 
 IDS = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
 
@@ -218,3 +219,35 @@ def test_a_save_to_an_empty_or_non_path_writes_nothing_and_names_the_argument(pa
         with pytest.raises((ValueError, TypeError), match=f"{name} (is empty|must be a path)"):
             model.save_pretrained(path) if what == "adapter" else cache.save(path)
         assert os.listdir(".") == []
+
+
+BATCH_VARIANTS: dict[str, Callable[[dict[str, torch.Tensor]], dict[str, Any]]] = {
+    "as collated": lambda batch: batch,
+    "comp_mask long": lambda batch: {**batch, "comp_mask": batch["comp_mask"].long()},
+    "comp_mask int8": lambda batch: {**batch, "comp_mask": batch["comp_mask"].to(torch.int8)},
+    "comp_mask float": lambda batch: {**batch, "comp_mask": batch["comp_mask"].float()},
+    "comp_mask of 2": lambda batch: {**batch, "comp_mask": batch["comp_mask"].long() * 2},
+    "comp_mask requiring grad": lambda batch: {**batch, "comp_mask": batch["comp_mask"].float().requires_grad_()},
+    "comp_mask non-contiguous": lambda batch: {
+        **batch,
+        "comp_mask": torch.stack([batch["comp_mask"]] * 2, dim=-1)[..., 0],
+    },
+    "no rows": lambda batch: {key: value[:0] for key, value in batch.items()},
+    "no positions": lambda batch: {key: value[:, :0] for key, value in batch.items()},
+    "input_ids int32": lambda batch: {**batch, "input_ids": batch["input_ids"].int()},
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(variant=st.sampled_from(sorted(BATCH_VARIANTS)))
+def test_a_training_batch_in_any_form_gives_the_canonical_loss_or_a_named_refusal(variant: str) -> None:
+    model = tiny_ccm("llama")
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [8, 9], [10, 11]), OnlineSample([[5, 6]], [8], [10])])
+    want = model(**batch).loss
+    try:
+        got = model(**BATCH_VARIANTS[variant](batch)).loss
+    except (ValueError, TypeError) as error:
+        assert re.search(r"comp_mask|input_ids", str(error)), str(error)
+        return
+    assert variant in ("as collated", "comp_mask non-contiguous", "input_ids int32")
+    assert torch.equal(got, want)

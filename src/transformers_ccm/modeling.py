@@ -1119,7 +1119,17 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"A training batch holds 2-D (batch, seq) tensors of one shape, got {given}; build it with "
                 "CCMDataCollator."
             )
-        self._check_ids(input_ids.masked_fill(comp_mask.bool(), 0), "input_ids")  # embed() ignores <COMP> ids
+        if input_ids.numel() == 0:  # failed inside the attention's reshape
+            raise ValueError(
+                f"A training batch holds at least one row and one position, got input_ids of shape "
+                f"{tuple(input_ids.shape)}; build it with CCMDataCollator from at least one sample."
+            )
+        if comp_mask.dtype != torch.bool:  # as indices or `~`, other dtypes failed inside torch or meant other rows
+            raise ValueError(
+                f"comp_mask must be a torch.bool tensor (True at <COMP> tokens), got dtype {comp_mask.dtype}; cast it "
+                "with comp_mask.bool(), or build the batch with CCMDataCollator."
+            )
+        self._check_ids(input_ids.masked_fill(comp_mask, 0), "input_ids")  # embed() ignores <COMP> ids
         if others.get("labels") is not None:
             self._check_labels(others["labels"], tuple(input_ids.shape))
 
