@@ -251,3 +251,25 @@ def test_a_training_batch_in_any_form_gives_the_canonical_loss_or_a_named_refusa
         return
     assert variant in ("as collated", "comp_mask non-contiguous", "input_ids int32")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("call", ["batch_select_indices", "reorder_cache"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_row_indices_on_the_meta_device_are_refused_leaving_the_cache(call: str, dtype: torch.dtype) -> None:
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, IDS)
+    before = snapshot(cache)
+    indices = torch.tensor([1, 0] if dtype == torch.int64 else [True, False], device="meta")
+    with pytest.raises((ValueError, TypeError), match=rf"cache.{call}\(\)"):
+        getattr(cache, call)(indices)
+    assert_same(snapshot(cache), before)
+
+
+@pytest.mark.parametrize("field", ["contexts", "input", "output"])
+def test_sample_ids_on_the_meta_device_are_refused_naming_the_sample(field: str) -> None:
+    ids = torch.tensor([5, 6], device="meta")
+    fields: dict[str, Any] = {"contexts": [[5, 6]], "input": [7], "output": [8]}
+    fields[field] = [ids] if field == "contexts" else ids
+    with pytest.raises(ValueError, match=rf"samples\[0\]\.{field}.* meta device"):
+        CCMDataCollator(tiny_ccm("llama"))([OnlineSample(**fields)])

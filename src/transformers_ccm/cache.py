@@ -1609,6 +1609,8 @@ def _check_row_indices(indices: Any, call: str, masks: bool = False) -> None:
             f"{call} takes row indices of dtype torch.int64 or torch.int32{mask}, such as torch.tensor([2, 0]); got "
             f"dtype {indices.dtype}."
         )
+    if indices.is_meta:  # holds no rows to check or select (torch failed with a NotImplementedError)
+        raise ValueError(f"{call} was given row indices on the meta device, which hold no values; pass real ones.")
 
 
 def _check_rows_in_range(indices: torch.Tensor, batch_size: int, call: str, negative: bool) -> None:

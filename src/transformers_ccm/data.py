@@ -50,6 +50,8 @@ def token_ids(
                     f"{where} is a tensor of shape {tuple(tokens.shape)}; give one sequence of token ids: shape (n,) "
                     "or (1, n)."
                 )
+            if tokens.is_meta:  # holds no ids to read
+                raise ValueError(f"{where} is a tensor on the meta device, which holds no values; pass its token ids.")
             integral = not tokens.is_floating_point() and not tokens.is_complex() and tokens.dtype != torch.bool
             ids = tokens.reshape(-1).tolist()
         elif not isinstance(tokens, Iterable) or isinstance(tokens, (set, frozenset, Mapping)):
