@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig, StoppingCriteria
 
 from fault_injection import assert_same, snapshot
-from tiny_models import VOCAB, tiny_ccm
-from transformers_ccm import CCMDataCollator, CompressedMemoryCache, OnlineSample
+from tiny_models import VOCAB, tiny_base, tiny_ccm
+from transformers_ccm import CCMDataCollator, CCMForCausalLM, CompressedMemoryCache, OnlineSample
 
 IDS = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
 
@@ -273,3 +273,29 @@ def test_sample_ids_on_the_meta_device_are_refused_naming_the_sample(field: str)
     fields[field] = [ids] if field == "contexts" else ids
     with pytest.raises(ValueError, match=rf"samples\[0\]\.{field}.* meta device"):
         CCMDataCollator(tiny_ccm("llama"))([OnlineSample(**fields)])
+
+
+FLAGS = [
+    ("load_adapter", "resize_comp_tokens"),
+    ("load_adapter", "extend_targets"),
+    ("load_adapter", "local_files_only"),
+    ("from_pretrained", "local_files_only"),
+]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(loading_flag=st.sampled_from(FLAGS), value=st.sampled_from(["no", "false", "True", 0, 1, None, 1.0]))
+def test_loading_flags_that_are_not_booleans_are_refused_leaving_the_model(
+    loading_flag: tuple[str, str], value: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    loading, flag = loading_flag
+    model = tiny_ccm("llama")
+    folder = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(folder)
+    signature = model.memory_signature()
+    with pytest.raises(ValueError, match=f"{flag} must be True or False, got {value!r}"):
+        if loading == "load_adapter":
+            model.load_adapter(folder, **{flag: value})
+        else:
+            CCMForCausalLM.from_pretrained(folder, base_model=tiny_base("llama"), **{flag: value})
+    assert model.memory_signature() == signature

@@ -194,6 +194,7 @@ def resolve_adapter(
     snapshot (downloaded or cached; with `local_files_only`, cached only), or their `subfolder` (as PEFT reads it)."""
     name = os.fspath(name_or_path)
     inside = _subfolder_parts(subfolder)
+    check_flags(local_files_only=local_files_only)
     if name.startswith(SHIPPED_PREFIX):
         # A shipped name is one of the package's adapter folders, never a path that could lead elsewhere.
         if name not in shipped_adapters():
@@ -223,6 +224,14 @@ def resolve_adapter(
             f"{name_or_path} has no folder {subfolder!r}; pass the subfolder that holds the adapter."
         )
     return folder.joinpath(*inside)
+
+
+def check_flags(**flags: object) -> None:
+    """Raise a ValueError naming the first of the arguments `flags` that is not True or False: a string such as "no"
+    or "false" is truthy, and did what it said not to."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
 
 
 def _subfolder_parts(subfolder: object) -> tuple[str, ...]:

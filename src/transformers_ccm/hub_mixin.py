@@ -24,6 +24,7 @@ from transformers_ccm.embedded import load_base_config, load_base_model, resolve
 from transformers_ccm.hub import (
     COMP_EMBEDDINGS_KEY,
     check_base_shape,
+    check_flags,
     push_adapter,
     read_adapter,
     resolve_adapter,
@@ -207,6 +208,7 @@ class AdapterHubMixin:
         only, say, into a model that also adapts its MLP): the model keeps its own targets, and the LoRA layers
         the adapter lacks start at zero (`B = 0`), so the model computes what the saved adapter does until
         training moves them. `subfolder` and `local_files_only` are those of `from_pretrained`."""
+        check_flags(resize_comp_tokens=resize_comp_tokens, extend_targets=extend_targets)
         folder = resolve_adapter(
             name_or_path,
             revision=revision,
