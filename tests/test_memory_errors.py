@@ -791,3 +791,87 @@ def test_a_file_declaring_a_huge_tensor_is_refused_from_its_header(tmp_path, oth
     assert os.path.getsize(tmp_path / "huge.safetensors") > 2**40
     with pytest.raises(ValueError, match=re.escape(expected)):
         CompressedMemoryCache.load(tmp_path / "huge.safetensors", model)
+
+
+def _with_hole(source, target, where):
+    """Write `target`: the safetensors file `source` with a 1 TiB hole (no disk) after its data ("end"), or before
+    the data of its last tensor, whose offsets then point past the hole ("gap")."""
+    raw = source.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    last = max((key for key in header if key != "__metadata__"), key=lambda key: header[key]["data_offsets"])
+    start, end = header[last]["data_offsets"]
+    if where == "gap":
+        header[last]["data_offsets"] = [start + 2**40, end + 2**40]
+    text = json.dumps(header).encode()
+    data = raw[8 + length :]
+    with open(target, "wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text + data[:start])
+        file.truncate(file.tell() + 2**40)
+        file.seek(0, os.SEEK_END)
+        file.write(data[start:])
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("end", "its header declares 1060 bytes of data, the file holds 1099511628836"), ("gap", "begins at byte")],
+)
+def test_a_file_larger_than_its_header_declares_is_refused_before_its_data_is_read(tmp_path, where, message):
+    """The whole file was read once its header passed, and safetensors refused bytes its tensors do not cover only
+    then: a valid memory with 1 TiB more (after its data, or between two tensors' data) was read into memory."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6, 7]] * 2))
+    cache.save(tmp_path / "user.safetensors")
+    _with_hole(tmp_path / "user.safetensors", tmp_path / "holed.safetensors", where)
+    assert os.path.getsize(tmp_path / "holed.safetensors") > 2**40
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CompressedMemoryCache.load(tmp_path / "holed.safetensors", model)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda entry: entry.update(data_offsets=[-8, 8]), "data_offsets [-8, 8] are not two whole numbers"),
+        (lambda entry: entry.update(data_offsets=[8, 0]), "data_offsets [8, 0] are not two whole numbers"),
+        (lambda entry: entry.update(data_offsets="0:8"), "data_offsets '0:8' are not two whole numbers"),
+        (lambda entry: entry.update(data_offsets=[0, 8, 16]), "are not two whole numbers"),
+        (lambda entry: entry.update(data_offsets=[0, 2**70]), "begins at byte"),
+    ],
+)
+def test_crafted_data_offsets_are_refused_from_the_header(tmp_path, edit, message):
+    """Offsets are checked against the dtypes and shapes, so the file reads no more than the memory it declares."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6, 7]] * 2))
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    edit(header["next_position"])
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CompressedMemoryCache.load(path, model)
+
+
+def test_data_offsets_that_move_the_border_between_two_tensors_are_refused(tmp_path):
+    """Offsets that still cover the data, in order, can give one tensor bytes of the next: each tensor's range must
+    be the size its dtype and shape take."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6, 7]] * 2))
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    ordered = sorted((key for key in header if key != "__metadata__"), key=lambda key: header[key]["data_offsets"])
+    first, second = ordered[:2]
+    header[first]["data_offsets"][1] += 8
+    header[second]["data_offsets"][0] += 8
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+    with pytest.raises(ValueError, match=f"its header gives '{first}' .* bytes of data, its dtype and shape take"):
+        CompressedMemoryCache.load(path, model)

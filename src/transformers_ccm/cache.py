@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -1227,7 +1228,9 @@ class CompressedMemoryCache(Cache):
             with open(path, "rb") as file:
                 # The header first (signature, names, dtypes, shapes): a file of another model, or one that declares
                 # tensors of any other size, is refused before any of its data is read or mapped.
-                content = _MemoryFile(path, *_safetensors_header(file, path), spec)
+                metadata, declared, spans = _safetensors_header(file, path)
+                content = _MemoryFile(path, metadata, declared, spec)
+                _check_spans(declared, spans, path)
                 file.seek(0)
                 tensors = load(file.read())  # the bytes the header was read from, not the file again
         except FileNotFoundError:
@@ -1271,13 +1274,20 @@ class _Declared(NamedTuple):
         return len(self.shape)
 
 
-def _safetensors_header(file: BinaryIO, path: str) -> tuple[dict[str, str], dict[str, _Declared]]:
-    """The metadata and the declared tensors of the safetensors file open as `file`, read from its header only."""
+def _safetensors_header(
+    file: BinaryIO, path: str
+) -> tuple[dict[str, str], dict[str, _Declared], dict[str, tuple[int, int]]]:
+    """The metadata, the declared tensors and the byte range of each tensor's data (from the data's start) of the
+    safetensors file open as `file`, read from its header only. The ranges are checked to cover the file's data
+    exactly, in order, as safetensors checks them only once the whole file is read."""
     unreadable = f"{path} is not a readable safetensors memory file"
+    file_bytes = os.fstat(file.fileno()).st_size
     prefix = file.read(8)
     size = int.from_bytes(prefix, "little")
     if len(prefix) < 8 or size > _MOST_HEADER_BYTES:
         raise ValueError(f"{unreadable} (it begins with no safetensors header length: {size} bytes).")
+    if 8 + size > file_bytes:
+        raise ValueError(f"{unreadable} (its header of {size} bytes passes the end of the file, {file_bytes} bytes).")
     header = parse_json_object(file.read(size), f"{unreadable}: its header", "save the memory again.")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
@@ -1288,9 +1298,46 @@ def _safetensors_header(file: BinaryIO, path: str) -> tuple[dict[str, str], dict
             name: _Declared(SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), torch.Size(entry["shape"]))
             for name, entry in header.items()
         }
+        spans = {name: _byte_range(entry["data_offsets"]) for name, entry in header.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"{unreadable} (a tensor's entry in its header is wrong: {error!r}).") from None
-    return metadata, declared
+    end = 0
+    for name, (start, stop) in sorted(spans.items(), key=lambda item: item[1]):
+        if start != end:
+            raise ValueError(
+                f"{unreadable} (the data of '{name}' begins at byte {start}, not where the last ended, {end})."
+            )
+        end = stop
+    if 8 + size + end != file_bytes:
+        raise ValueError(
+            f"{unreadable} (its header declares {end} bytes of data, the file holds {file_bytes - 8 - size})."
+        )
+    return metadata, declared, spans
+
+
+def _byte_range(offsets: Any) -> tuple[int, int]:
+    """The `[start, end)` byte range of a header's `data_offsets`, two whole numbers in order."""
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(offset, int) and not isinstance(offset, bool) for offset in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ValueError(f"data_offsets {offsets!r} are not two whole numbers, start <= end")
+    return offsets[0], offsets[1]
+
+
+def _check_spans(declared: dict[str, _Declared], spans: dict[str, tuple[int, int]], path: str) -> None:
+    """Raise unless each tensor's data takes the bytes its dtype and shape do (`_MemoryFile` has checked both): the
+    file is then no larger than the memory it declares, before any of it is read."""
+    for name, (dtype, shape) in declared.items():
+        start, end = spans[name]
+        expected = math.prod(shape) * dtype.itemsize
+        if end - start != expected:
+            raise ValueError(
+                f"{path} is not a readable safetensors memory file (its header gives '{name}' {end - start} bytes of "
+                f"data, its dtype and shape take {expected})."
+            )
 
 
 class _MemoryFile:
