@@ -125,7 +125,7 @@ class _StepLimit(StoppingCriteria):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(["max_new_tokens", "max_length", "min_new_tokens", "min_length"]),
-    value=st.sampled_from([float("nan"), float("inf"), 2.0, "2", True, torch.tensor(2)]),
+    value=st.sampled_from([float("nan"), float("inf"), 2.0, "2", True, torch.tensor(2.0), torch.tensor(True)]),
     in_config=st.booleans(),
 )
 def test_generation_lengths_that_are_no_whole_number_are_refused(name: str, value: Any, in_config: bool) -> None:
@@ -144,11 +144,24 @@ def test_generation_lengths_that_are_no_whole_number_are_refused(name: str, valu
     assert_same(snapshot(cache), before)
 
 
-def test_generation_lengths_as_numpy_integers_equal_ints() -> None:
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from([np.int64, np.int32, torch.tensor, lambda n: torch.tensor(n, dtype=torch.int32)]),
+    length=st.integers(1, 3),
+    in_config=st.booleans(),
+)
+def test_generation_lengths_as_numpy_integers_or_integer_tensors_equal_ints(
+    kind: Callable[[int], Any], length: int, in_config: bool
+) -> None:
+    """transformers takes any integer `operator.index` does: a 0-d integer tensor (a count computed with torch) was
+    refused as no whole number, though it generated as the int does before the check."""
     model = tiny_ccm("llama")
     caches = [model.new_cache(2) for _ in range(2)]
-    got = model.generate(IDS, past_key_values=caches[0], max_new_tokens=np.int64(3), do_sample=False)
-    want = model.generate(IDS, past_key_values=caches[1], max_new_tokens=3, do_sample=False)
+    setting: dict[str, Any] = {"max_new_tokens": kind(length)}
+    if in_config:
+        setting = {"generation_config": GenerationConfig(do_sample=False, **setting)}
+    got = model.generate(IDS, past_key_values=caches[0], do_sample=False, **setting)
+    want = model.generate(IDS, past_key_values=caches[1], max_new_tokens=length, do_sample=False)
     assert torch.equal(got, want)
 
 

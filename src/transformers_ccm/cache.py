@@ -44,7 +44,7 @@ from transformers_ccm.files import checked_path, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
-from transformers_ccm.validation import is_int, positive_int
+from transformers_ccm.validation import is_index, is_int, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -1072,12 +1072,9 @@ class CompressedMemoryCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (`batch * repeats` rows), as generate() expands its inputs."""
         call = "cache.batch_repeat_interleave()"
-        try:
-            if isinstance(repeats, bool):
-                raise TypeError
-            count = operator.index(repeats)  # an int, a NumPy integer or a 0-d integer tensor
-        except TypeError:
-            raise TypeError(f"{call} takes a whole number of copies per row, such as 2; got {repeats!r}.") from None
+        if not is_index(repeats):
+            raise TypeError(f"{call} takes a whole number of copies per row, such as 2; got {repeats!r}.")
+        count = operator.index(repeats)
         if count < 0:
             raise ValueError(f"{call} takes a number of copies per row of 1 or more, such as 2; got {count}.")
         self._map_batch(lambda t: t.repeat_interleave(count, dim=0), call)

@@ -8,7 +8,6 @@ import functools
 import inspect
 import itertools
 import logging
-import numbers
 import os
 import threading
 import weakref
@@ -53,6 +52,7 @@ from transformers_ccm.lora import (
 )
 from transformers_ccm.masks import SlidingWindow, as_block_masks, comp_ranks, windowed_block_attention
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
+from transformers_ccm.validation import is_index
 
 logger = logging.getLogger(__name__)
 
@@ -1566,7 +1566,7 @@ def _check_token_counts(kwargs: dict[str, Any], config: GenerationConfig) -> Non
     `max_new_tokens` passed transformers' checks and no length ever reached it, so generation never stopped."""
     for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
         value = kwargs[name] if name in kwargs else getattr(config, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        if value is not None and not is_index(value):
             raise ValueError(f"{name} must be a whole number of tokens, such as 32, got {value!r}.")
 
 

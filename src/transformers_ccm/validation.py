@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
+
+import torch
 
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_index(value: object) -> bool:
+    """An integer as `operator.index` takes it (an int, a NumPy integer, a one-value integer tensor, as transformers
+    takes a count), not a bool (of Python, NumPy or torch): True is not 1."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def positive_int(value: object) -> bool:
