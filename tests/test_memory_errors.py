@@ -841,6 +841,14 @@ def test_a_file_larger_than_its_header_declares_is_refused_before_its_data_is_re
 )
 def test_crafted_data_offsets_are_refused_from_the_header(tmp_path, edit, message):
     """Offsets are checked against the dtypes and shapes, so the file reads no more than the memory it declares."""
+    model, path, _ = _saved_memory_with_header(tmp_path, lambda header: edit(header["next_position"]))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CompressedMemoryCache.load(path, model)
+
+
+def _saved_memory_with_header(tmp_path, edit):
+    """A tiny Llama's saved memory of two rows, its safetensors header changed in place by `edit(header)`: the model,
+    the file and the header written."""
     model = tiny_ccm("llama")
     cache = model.new_cache(2)
     model.compress(cache, torch.tensor([[5, 6, 7]] * 2))
@@ -849,29 +857,25 @@ def test_crafted_data_offsets_are_refused_from_the_header(tmp_path, edit, messag
     raw = path.read_bytes()
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
-    edit(header["next_position"])
+    edit(header)
     text = json.dumps(header).encode()
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
-    with pytest.raises(ValueError, match=re.escape(message)):
-        CompressedMemoryCache.load(path, model)
+    return model, path, header
 
 
 def test_data_offsets_that_move_the_border_between_two_tensors_are_refused(tmp_path):
     """Offsets that still cover the data, in order, can give one tensor bytes of the next: each tensor's range must
     be the size its dtype and shape take."""
-    model = tiny_ccm("llama")
-    cache = model.new_cache(2)
-    model.compress(cache, torch.tensor([[5, 6, 7]] * 2))
-    path = tmp_path / "user.safetensors"
-    cache.save(path)
-    raw = path.read_bytes()
-    length = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + length])
-    ordered = sorted((key for key in header if key != "__metadata__"), key=lambda key: header[key]["data_offsets"])
-    first, second = ordered[:2]
-    header[first]["data_offsets"][1] += 8
-    header[second]["data_offsets"][0] += 8
-    text = json.dumps(header).encode()
-    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+    def in_file_order(header):
+        return sorted((key for key in header if key != "__metadata__"), key=lambda key: header[key]["data_offsets"])
+
+    def move_border(header):
+        first, second = in_file_order(header)[:2]
+        header[first]["data_offsets"][1] += 8
+        header[second]["data_offsets"][0] += 8
+
+    model, path, header = _saved_memory_with_header(tmp_path, move_border)
+    first = in_file_order(header)[0]
     with pytest.raises(ValueError, match=f"its header gives '{first}' .* bytes of data, its dtype and shape take"):
         CompressedMemoryCache.load(path, model)
