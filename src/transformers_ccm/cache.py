@@ -149,14 +149,27 @@ class RowState:
 
 
 # ----- layers ----------------------------------------------------------------------------------------------------
-class MemoryLayer(DynamicLayer):
+class _RowsLayer(DynamicLayer):
+    """A layer whose every tensor holds one row per user: its keys/values and, for merge and EMA memory, the
+    float32 average (`accumulated`) of the memory."""
+
+    is_croppable = False
+    accumulated: tuple[torch.Tensor, torch.Tensor] | None
+
+    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every tensor held, `(batch, ...)`, by `function` of it (rows selected or repeated, or detached)."""
+        if self.is_initialized:
+            self.keys, self.values = function(self.keys), function(self.values)
+            if self.accumulated is not None:
+                self.accumulated = function(self.accumulated[0]), function(self.accumulated[1])
+
+
+class MemoryLayer(_RowsLayer):
     """One layer's `[memory | turn]` keys/values, `(batch, kv_heads, memory + turn, head_dim)`.
 
     Merge and EMA memory is accumulated in float32 (`accumulated`), whatever the model's dtype, so that a
     running mean over many turns keeps moving; the memory attended to is its cast to the model's dtype.
     """
-
-    is_croppable = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -242,7 +255,7 @@ class MemoryLayer(DynamicLayer):
             self.set_memory(keys, values)
 
 
-class StreamingLayer(DynamicLayer):
+class StreamingLayer(_RowsLayer):
     """One layer of a bounded stream: `[sink | memory | window]` keys/values at positions `0..n-1`.
 
     New tokens fill the sink first, then the window. When the window overflows, the cache has its oldest
@@ -252,8 +265,6 @@ class StreamingLayer(DynamicLayer):
     key moves once per token that enters a full window, and rotated and rounded each time it drifted (bfloat16: 7%
     of its norm after 148 moves, against 0.2% for one rounding); the keys attended to are its cast.
     """
-
-    is_croppable = False
 
     def __init__(self, sink_tokens: int) -> None:
         super().__init__()
@@ -350,14 +361,10 @@ class StreamingLayer(DynamicLayer):
         self.float_keys = None if dtype == torch.float32 else keys.float()
         self.keys = keys.to(dtype)
 
-    def detach(self) -> None:
-        """Hold the same keys/values without the autograd graph of the forwards that computed them."""
-        if self.is_initialized:
-            self.keys, self.values = self.keys.detach(), self.values.detach()
+    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().map_rows(function)
         if self.float_keys is not None:
-            self.float_keys = self.float_keys.detach()
-        if self.accumulated is not None:
-            self.accumulated = self.accumulated[0].detach(), self.accumulated[1].detach()
+            self.float_keys = function(self.float_keys)
 
     def held(self) -> dict[str, torch.Tensor]:
         state = {"keys": self.keys, "values": self.values}
@@ -942,7 +949,7 @@ class CompressedMemoryCache(Cache):
         through a stream (`stream_training.stream_loss`) sets `_keeps_graph` to reach earlier calls' compressions."""
         if self.streaming is not None and not self._keeps_graph:
             for layer in self.layers:
-                layer.detach()
+                layer.map_rows(torch.Tensor.detach)
 
     def needs_compression(self, new: int) -> bool:
         """Whether the oldest chunk of the window must be compressed before `new` tokens fit (never for a
@@ -1057,12 +1064,7 @@ class CompressedMemoryCache(Cache):
                 )
             self.rows = rows
             for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keys, layer.values = function(layer.keys), function(layer.values)
-                    if layer.accumulated is not None:
-                        layer.accumulated = tuple(function(tensor) for tensor in layer.accumulated)
-                    if getattr(layer, "float_keys", None) is not None:
-                        layer.float_keys = function(layer.float_keys)
+                layer.map_rows(function)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep row `beam_idx[i]` as row i (`(batch,)` long), as beam search does."""
