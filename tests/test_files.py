@@ -2,6 +2,7 @@
 file system (the k-th write, flush or rename fails, or the process dies there), and under threads that save and
 load the same folder at once."""
 
+import asyncio
 import builtins
 import importlib
 import itertools
@@ -152,6 +153,42 @@ def test_a_save_killed_at_any_rename_never_loads_as_a_mix(tmp_path, adapters, k)
     assert {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
     target.load_adapter(tmp_path)
     assert _which(target, adapters) == "new"
+
+
+# What reaches a save between two of its steps: Ctrl-C, a task's cancellation, sys.exit() from a signal handler.
+INTERRUPTS = {
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "CancelledError": asyncio.CancelledError,
+    "SystemExit": SystemExit,
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k=st.integers(0, ADAPTER_RENAMES - 1), interrupt=st.sampled_from(sorted(INTERRUPTS)))
+def test_an_interrupt_right_after_any_rename_leaves_the_old_adapter_or_the_new_one_whole(
+    tmp_path_factory, adapters, k, interrupt
+):
+    """An interrupt arrives when a rename returns, before the save notes it: the earlier file that rename had moved
+    aside was deleted with the staging folder, and one after the last rename put the earlier files back beside the
+    new weights."""
+    old, new, target = adapters
+    folder = tmp_path_factory.mktemp("adapter")
+    old.save_pretrained(folder)
+    before = _contents(folder)
+    original, calls = os.replace, itertools.count()
+
+    def rename_then_interrupt(*args, **kwargs):
+        original(*args, **kwargs)
+        if next(calls) == k:
+            raise INTERRUPTS[interrupt]
+
+    with patch.object(os, "replace", rename_then_interrupt), pytest.raises(INTERRUPTS[interrupt]):
+        new.save_pretrained(folder)
+    assert {path.name for path in folder.iterdir()} == ADAPTER_FILES  # no staging folder, no file missing
+    if k < ADAPTER_RENAMES - 1:
+        assert _contents(folder) == before
+    target.load_adapter(folder)
+    assert _which(target, adapters) == ("old" if k < ADAPTER_RENAMES - 1 else "new")
 
 
 def _in_the_middle_of_a_save(k, during):

@@ -215,32 +215,35 @@ class _KeptAside(OSError):
 
 def _swap(paths: list[Path], staging: Path) -> None:
     """Move each of `paths` aside into `staging`/old and the file of its name in `staging`/new into its place, in
-    order; if one fails, put the earlier files back. The last needs no copy aside: its rename is the last step."""
-    (staging / "old").mkdir()
-    aside: list[Path] = []  # paths whose earlier file is in staging/old
-    placed: list[Path] = []  # paths that hold the new file
+    order; if one fails, put the earlier files back. The last needs no copy aside: its rename is the last step.
+
+    What to undo is read from the staging folder, not from a list kept beside the renames: an interrupt (Ctrl-C)
+    arrives when a rename returns, before such a list records it, and the earlier file it had moved aside was
+    deleted with the staging folder (or, after the last rename, the earlier files were put back beside it)."""
+    old, new = staging / "old", staging / "new"
+    old.mkdir()
     try:
         for index, path in enumerate(paths):
             if index < len(paths) - 1 and os.path.lexists(path):
-                os.replace(path, staging / "old" / path.name)
-                aside.append(path)
-            os.replace(staging / "new" / path.name, path)
-            placed.append(path)
+                os.replace(path, old / path.name)
+            os.replace(new / path.name, path)
     except BaseException as error:
+        if not os.path.lexists(new / paths[-1].name):  # the last rename was made: the new set is whole, in place
+            raise
         not_restored = []
-        for path in reversed(placed):
-            if path not in aside:
+        for path in reversed(paths):
+            if os.path.lexists(old / path.name):
+                try:
+                    os.replace(old / path.name, path)
+                except OSError:
+                    not_restored.append(path.name)
+            elif not os.path.lexists(new / path.name):  # placed where there was no file before
                 with suppress(OSError):
-                    os.remove(path)  # there was no file here before
-        for path in reversed(aside):
-            try:
-                os.replace(staging / "old" / path.name, path)
-            except OSError:
-                not_restored.append(path.name)
+                    os.remove(path)
         if not_restored:
             raise _KeptAside(
                 f"Saving into {staging.parent} failed ({error}), and its earlier {not_restored} could not be put "
-                f"back: they are in {staging / 'old'}; move them back, or save again."
+                f"back: they are in {old}; move them back, or save again."
             ) from error
         raise
 
