@@ -535,6 +535,73 @@ def test_a_task_using_the_cache_inside_another_tasks_transaction_is_refused(firs
     assert int(cache.steps[0]) == (1 if first_fails else 2)  # the other thread's call ran
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    starts_inside=st.booleans(),
+    spawn=st.sampled_from(["create_task", "gather"]),
+    parent_ends=st.sampled_from(["returns", "fails", "is cancelled"]),
+)
+def test_a_task_created_inside_a_transaction_takes_the_cache_only_once_the_transaction_ended(
+    starts_inside, spawn, parent_ends
+):
+    """A task created inside a `transaction` copies its context, and its claims passed as nested in that transaction:
+    the transaction ending first left the cache claimed for ever (every later call refused as busy), and one that
+    failed restored the cache under the task's calls, which had returned without an error. A task that uses the
+    cache while the transaction holds it is now refused; once the transaction has ended, it takes the cache."""
+    model = tiny_ccm("llama")
+    cache, expected = model.new_cache(), model.new_cache()
+    mine, its = torch.tensor([[5, 6, 7]]), [torch.tensor([[8, 9]]), torch.tensor([[10]])]
+    ended = asyncio.Event()
+
+    async def child() -> None:
+        if not starts_inside:
+            await ended.wait()
+        with cache.transaction():
+            model.compress(cache, its[0])
+            await asyncio.sleep(0)  # the parent's transaction ends meanwhile, if it has not yet
+            model.compress(cache, its[1])
+
+    spawned: list[asyncio.Future[object]] = []
+
+    async def parent() -> None:
+        try:
+            with cache.transaction():
+                model.compress(cache, mine)
+                spawned.append(asyncio.create_task(child()) if spawn == "create_task" else asyncio.gather(child()))
+                await asyncio.sleep(0)  # the child runs while the transaction holds the cache
+                if parent_ends == "fails":
+                    raise InjectedFailure("the parent task failed")
+                if parent_ends == "is cancelled":
+                    asyncio.current_task().cancel()
+                    await asyncio.sleep(0)
+        finally:
+            ended.set()
+
+    async def serve() -> tuple[object, object]:
+        parent_result = (await asyncio.gather(parent(), return_exceptions=True))[0]
+        child_result = (await asyncio.gather(spawned[0], return_exceptions=True))[0]
+        return parent_result, child_result[0] if isinstance(child_result, list) else child_result
+
+    parent_result, child_result = asyncio.run(serve())
+    if parent_ends == "returns":
+        model.compress(expected, mine)
+    else:
+        want = InjectedFailure if parent_ends == "fails" else asyncio.CancelledError
+        assert isinstance(parent_result, want), parent_result
+    if starts_inside:
+        assert isinstance(child_result, ValueError) and "created inside the other's" in str(child_result)
+    else:
+        assert child_result is None, child_result
+        for context in its:
+            model.compress(expected, context)
+    _assert_equal(_content(cache), _content(expected), "the cache after both tasks")
+    beside = threading.Thread(target=model.compress, args=(cache, torch.tensor([[3, 4]])))
+    beside.start()
+    beside.join()
+    model.compress(expected, torch.tensor([[3, 4]]))
+    _assert_equal(_content(cache), _content(expected), "the cache after another thread's call")
+
+
 def test_a_call_sent_to_a_thread_from_inside_a_transaction_is_refused_with_the_way_to_run_it():
     """`asyncio.to_thread` copies the task's context, and so the claim of a task's `transaction()`, into the thread: a
     call sent there from inside the transaction was refused as "in use by another thread", with the advice to give

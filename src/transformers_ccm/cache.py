@@ -18,6 +18,7 @@ can restore it exactly when a call fails.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -61,9 +62,55 @@ _UNRECORDED = {
 }
 # Taken to claim a cache for a call (see `CompressedMemoryCache.transaction`): a check and a claim, never a model run.
 _CLAIMS = threading.Lock()
-# Who holds the caches that the current thread or asyncio task has claimed (None: it holds none): set by its outermost
-# claim, so that the calls nested in it, and only those, share its claims (asyncio tasks share a thread).
-_CLAIMANT: ContextVar[object | None] = ContextVar("ccm_cache_claimant", default=None)
+
+
+@dataclass(frozen=True, eq=False)
+class _Claimant:
+    """Who holds the caches that a thread or asyncio task claimed (`CompressedMemoryCache.transaction`): made by its
+    outermost claim, in `thread` and `task` (None outside asyncio), so that the calls nested in it share its claims.
+    `copied_from`: the claimant of the thread or task whose context this one's copies (`_CLAIMANT`), if any."""
+
+    thread: int
+    task: object | None
+    copied_from: _Claimant | None
+
+
+# The claimant of the current context (None: it holds no cache). A context copied into a thread (asyncio.to_thread)
+# or a task created inside a transaction brings it along, but that thread or task is not the one that holds the
+# caches (`_own_claimant`).
+_CLAIMANT: ContextVar[_Claimant | None] = ContextVar("ccm_cache_claimant", default=None)
+
+
+def _current_task() -> object | None:
+    """The asyncio task running in this thread, or None."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no event loop runs in this thread
+        return None
+
+
+def _own_claimant() -> _Claimant | None:
+    """The claimant of the calling thread or task, or None where it holds no cache: one in `_CLAIMANT` that another
+    thread or task made is not its own."""
+    claimant = _CLAIMANT.get()
+    if claimant is not None and claimant.thread == threading.get_ident() and claimant.task is _current_task():
+        return claimant
+    return None
+
+
+def _shares_context(holder: _Claimant) -> bool:
+    """Whether the calling thread's or task's context and that of `holder` were copied one from the other (at any
+    remove), so that both see one claimant in `_CLAIMANT`."""
+
+    def lineage(claimant: _Claimant | None) -> Iterator[_Claimant]:
+        while claimant is not None:
+            yield claimant
+            claimant = claimant.copied_from
+
+    current = _CLAIMANT.get()
+    return any(claimant is holder for claimant in lineage(current)) or any(
+        claimant is current for claimant in lineage(holder)
+    )
 
 
 # Why a model's cached keys cannot move to other positions (`CacheSpec.rotation` is None).
@@ -434,9 +481,8 @@ class CompressedMemoryCache(Cache):
         self.turn_tokens = 0
         # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
         self.compressed_in_window = 0
-        # The thread and claimant (`_CLAIMANT`) running calls on this cache and how deeply they nest (None: free); see
-        # `transaction`.
-        self._user: tuple[int, object, int] | None = None
+        # The claimant running calls on this cache and how deeply they nest (None: free); see `transaction`.
+        self._user: tuple[_Claimant, int] | None = None
         # The model call running on this cache (None: none); see `running`.
         self._call: str | None = None
         # Whether a stream keeps the autograd graph of its forwards from one call to the next (`end_stream_call`).
@@ -613,28 +659,32 @@ class CompressedMemoryCache(Cache):
         Not held by the thread alone: asyncio tasks share their thread, and a task's claim taken while another task
         was suspended inside its `transaction` (at an `await`) passed as nested in it. A failure of the first task
         then restored the cache over the second's calls, which had returned without an error, and left the cache
-        claimed for ever."""
-        claimant = _CLAIMANT.get()
-        outermost = _CLAIMANT.set(object()) if claimant is None else None
+        claimed for ever. Nor by the context alone: a task created inside a transaction copies its context, and its
+        claims passed as nested in a transaction that could end (or restore the cache) under them; one that ended
+        after it left the cache claimed for ever."""
+        claimant = _own_claimant()
+        made = None
+        if claimant is None:
+            claimant = _Claimant(threading.get_ident(), _current_task(), _CLAIMANT.get())
+            made = _CLAIMANT.set(claimant)
         try:
-            me = threading.get_ident(), _CLAIMANT.get()
             with _CLAIMS:
                 self.check_free()
-                depth = self._user[2] if self._user is not None else 0
-                self._user = *me, depth + 1
+                depth = self._user[1] if self._user is not None else 0
+                self._user = claimant, depth + 1
             try:
                 yield
             finally:
                 with _CLAIMS:
-                    self._user = (*me, depth) if depth else None
+                    self._user = (claimant, depth) if depth else None
         finally:
-            if outermost is not None:
-                _CLAIMANT.reset(outermost)
+            if made is not None:
+                _CLAIMANT.reset(made)
 
     def _claimed_here(self) -> bool:
         """Whether the calling thread or task holds the cache (`_claimed`)."""
         user = self._user
-        return user is not None and user[0] == threading.get_ident() and user[1] is _CLAIMANT.get()
+        return user is not None and user[0] is _own_claimant()
 
     def check_no_call(self, call: str) -> None:
         """Raise if a model call runs on this cache in the calling thread or task, which `call` would be made from
@@ -651,7 +701,18 @@ class CompressedMemoryCache(Cache):
         user = self._user
         if user is None or self._claimed_here():
             return
-        if user[1] is _CLAIMANT.get():
+        holder = user[0]
+        if _shares_context(holder) and holder.thread == threading.get_ident():
+            # Tasks of one thread, one created inside the other's transaction (asyncio.create_task, gather): that
+            # transaction could end, or restore the cache, under the other's calls.
+            raise ValueError(
+                "This CompressedMemoryCache is held by the cache.transaction() of another asyncio task, one of the two "
+                "created inside the other's `with cache.transaction():` block (asyncio.create_task or gather there), "
+                "whose end or failure would leave the cache claimed or restore it under the other's calls. Make a "
+                "transaction's calls in the task that holds it (await the coroutine itself, not a task of it), or "
+                "after its `with` block."
+            )
+        if _shares_context(holder):
             # The claimant travels with a copied context (asyncio.to_thread copies the task's): a call sent to a thread
             # from inside a transaction, which would restore the cache under it if the holder failed (or its task were
             # cancelled) meanwhile; or the other way round.
