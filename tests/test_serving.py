@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import re
@@ -965,6 +966,56 @@ def test_an_interrupt_leaves_the_cache_as_it_was(tmp_path):
         model.compress(cache, torch.tensor([[11, 12], [13, 14]]))
     handle.remove()
     assert _saved_bytes(cache, tmp_path / "after.safetensors") == before
+
+
+_INTERRUPTS = {
+    "injected": lambda: InjectedFailure("the user's hook failed"),
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": SystemExit,
+    "CancelledError": asyncio.CancelledError,
+}
+
+
+def _online_call(model: CCMForCausalLM, cache: CompressedMemoryCache, passed: str) -> torch.Tensor:
+    ids = torch.tensor([[20, 21, 22], [23, 24, 25]])
+    with torch.no_grad():
+        if passed == "positionally":
+            return model(ids, None, None, None, None, cache).logits
+        return model(input_ids=ids, **{passed: cache}).logits
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    failure=st.sampled_from(sorted(_INTERRUPTS)),
+    streaming=st.booleans(),
+    passed=st.sampled_from(["past_key_values", "cache", "positionally"]),
+    with_kwargs=st.booleans(),
+)
+def test_a_forward_hook_of_the_model_that_fails_leaves_the_cache_as_it_was(failure, streaming, passed, with_kwargs):
+    """The hooks registered on the model run around its forward, outside the call's transaction on the cache: a
+    forward hook that raised (or an interrupt while one ran) left the cache holding the call's tokens, though the call
+    failed."""
+    model = tiny_ccm("llama")
+    if streaming:
+        stream = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+        cache = model.new_cache(2, stream)
+        model(input_ids=torch.tensor([list(range(3, 12))] * 2), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    untouched, before = cache.copy(), snapshot(cache)
+
+    def fail(*_: object) -> None:
+        raise _INTERRUPTS[failure]()
+
+    handle = model.register_forward_hook(fail, with_kwargs=with_kwargs)
+    try:
+        with pytest.raises(type(_INTERRUPTS[failure]())):
+            _online_call(model, cache, passed)
+    finally:
+        handle.remove()
+    assert_same(snapshot(cache), before, "the cache after the failed call")
+    assert torch.equal(_online_call(model, cache, passed), _online_call(model, untouched, passed))
+    assert_same(snapshot(cache), snapshot(untouched), "the cache after the call made again")
 
 
 # ----- gradient checkpointing ------------------------------------------------------------------------------------

@@ -404,6 +404,18 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         e.g. the fine-tuned full-context baseline) stays on."""
         return self.adapter_disabled() if self.config.conditional_lora else nullcontext()
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`nn.Module`'s call; with a `CompressedMemoryCache`, one transaction on it together with the hooks registered
+        on this module, which run around `forward`: a forward hook that failed (or an interrupt while one ran) left
+        the cache holding the call's tokens, though the call raised."""
+        cache = passed_cache(kwargs)
+        if cache is None and len(args) > _CACHE_POSITION:
+            cache = args[_CACHE_POSITION]
+        if not isinstance(cache, CompressedMemoryCache):
+            return super().__call__(*args, **kwargs)
+        with cache.transaction():
+            return super().__call__(*args, **kwargs)
+
     @_tuple_on_request
     def forward(
         self,
@@ -1584,6 +1596,10 @@ def _check_tensor(tokens: Any, name: str) -> None:
         )
     if tokens.is_meta:  # its values, read by every check, do not exist
         raise ValueError(f"{name} is on the meta device, which holds no values; pass a tensor with its values.")
+
+
+# Where `CCMForCausalLM.forward` takes its cache among the positional arguments (after `self`).
+_CACHE_POSITION = list(inspect.signature(CCMForCausalLM.forward).parameters).index("past_key_values") - 1
 
 
 def passed_cache(kwargs: dict[str, Any]) -> Any:
