@@ -563,6 +563,31 @@ def test_a_cache_given_to_a_plain_model_is_refused_and_left_as_it_was(tmp_path, 
     assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
 
 
+@settings(max_examples=8, deadline=None)
+@given(call=st.sampled_from(sorted(PLAIN_MODEL_CALLS)), streaming=st.booleans(), fails_in_layer=st.booleans())
+def test_a_cache_given_to_the_wrapped_base_model_itself_is_refused_and_left_as_it_was(call, streaming, fails_in_layer):
+    """`model.base_model(..., past_key_values=cache)` ran the cache through CCM's pre-hook outside any transaction or
+    claim: it worked while nothing failed, but an interrupt in a layer left the cache half updated (some layers
+    holding the new tokens), and another thread's call could interleave with it."""
+    model = tiny_ccm("llama")
+    if streaming:
+        stream = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+        cache = model.new_cache(2, stream)
+        model(input_ids=torch.tensor([list(range(3, 12))] * 2), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    untouched, before = cache.copy(), snapshot(cache)
+    handle = fail_in_layer(model, layer=1, after_calls=0) if fails_in_layer else None
+    try:
+        with pytest.raises(ValueError, match=r"given to the wrapped base model .* Give it to the CCMForCausalLM"):
+            PLAIN_MODEL_CALLS[call](model.base_model, cache)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert_same(snapshot(cache), before, "the cache after the refused call")
+    assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
+
+
 def _step_the_adapter(model: CCMForCausalLM, _) -> None:
     with torch.no_grad():  # what an optimizer step does
         for layer in lora_layers(model.base_model):

@@ -696,6 +696,18 @@ class CompressedMemoryCache(Cache):
                 f"streamer or stopping criterion, say); make the call after {running} returns."
             )
 
+    def check_held(self) -> None:
+        """Raise unless the calling thread or task holds the cache: the base model's forward (its pre-hook that runs
+        the cache) given it directly, not through the `CCMForCausalLM` calls that hold it, ran outside any
+        transaction: a failure (an interrupt) left some layers holding the new tokens, and another thread's call could
+        interleave with it."""
+        if not self._claimed_here():
+            raise ValueError(
+                "A CompressedMemoryCache was given to the wrapped base model (model.base_model) itself, which runs it "
+                "without the checks and the transaction of the CCM model's calls (a failure would leave it half "
+                "updated). Give it to the CCMForCausalLM instead: model(...), model.generate() or model.compress()."
+            )
+
     def check_free(self) -> None:
         """Raise if another thread or asyncio task is running a call on this cache (a cache is one user's state)."""
         user = self._user

@@ -749,12 +749,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
                 run_cache.begin_generation()
                 prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
-                output = self.base_model.generate(
-                    **{key: value for key, value in prompts.items() if value is not None},
-                    attention_mask=attention_mask,
-                    **{CACHE_ARGUMENT: run_cache},
-                    **kwargs,
-                )
+                with run_cache.transaction():  # held, as the base model's forwards require (the copy is free)
+                    output = self.base_model.generate(
+                        **{key: value for key, value in prompts.items() if value is not None},
+                        attention_mask=attention_mask,
+                        **{CACHE_ARGUMENT: run_cache},
+                        **kwargs,
+                    )
                 sequences = output if isinstance(output, torch.Tensor) else output.sequences
                 if num_sequences > 1:
                     return output
@@ -893,6 +894,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         cache = passed_cache(kwargs)
         if not isinstance(cache, CompressedMemoryCache):
             return None
+        cache.check_held()
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
