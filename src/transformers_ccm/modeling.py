@@ -103,6 +103,8 @@ class _ModelState(NamedTuple):
     lora_scaling: tuple[float, ...]  # the scaling (lora_alpha / r) each LoRA layer multiplies its branch by
     conditional_lora: bool  # whether the gate keeps the LoRA to <COMP> positions
     base_config: dict[str, Any]  # the base config's entries that change its numbers (`computing_settings`)
+    training: tuple[bool, ...]  # every module's mode (dropout acts in training mode)
+    mode_switch: int  # the latest `CCMForCausalLM.train()` or `eval()` that changed a mode: a switch and back counts
 
 
 TESTED_MODEL_TYPES = (
@@ -140,6 +142,9 @@ TESTED_MODEL_TYPES = (
     "gpt_bigcode",
     "gpt2",
 )
+
+# Numbers `CCMForCausalLM.train()` calls that change a module's mode (unique, as `_Registrations._ids`).
+_MODE_SWITCHES = itertools.count(1)
 
 # The layer types (`config.layer_types`) CCM runs: attention over every key or a sliding window of them.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -180,9 +185,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
-        # The weights by kind and the LoRA layers, with the count of module registrations in the process when they
-        # were listed.
-        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]] | None = None
+        # The weights by kind, the LoRA layers and every module, with the count of module registrations in the process
+        # when they were listed.
+        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module]] | None = (
+            None
+        )
+        self._mode_switch = 0  # `_ModelState.mode_switch`
         # The base config's `computing_settings`, with the config and a deep copy of its entries they were read from.
         self._settings: tuple[PretrainedConfig, dict[str, Any], dict[str, Any]] | None = None
         self.training_attention: TrainingAttention = "auto"
@@ -284,6 +292,16 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
         comp = self.comp_embeddings[comp_ranks(comp_mask, self.config.num_comp_tokens)].to(ordinary.dtype)
         return torch.where(comp_mask[..., None], comp, ordinary)
+
+    def train(self, mode: bool = True) -> CCMForCausalLM:
+        """`nn.Module.train`, which counts as a change of the model for the calls running meanwhile in other threads
+        (`_unchanged_since`) when it changes any module's mode, also when `eval()` switches it back before they end:
+        they ran their first layers without dropout and their last ones with it."""
+        modes = self._modes()
+        super().train(mode)
+        if self._modes() != modes:
+            self._mode_switch = next(_MODE_SWITCHES)
+        return self
 
     def set_training_attention(self, kind: TrainingAttention) -> None:
         """How the parallel training forward attends: `"flex"`, block-sparse `flex_attention` (blocks of the
@@ -980,11 +998,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             "base_config": state.base_config,
         }
 
-    def _listing(self) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer]]:
-        """The adapter's and the base model's parameters by name, sorted, and the LoRA layers. Walking the modules
-        costs milliseconds and this is asked at every call, so they are listed again only after a module registered
-        a parameter or a submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the digests of
-        a stale list would miss the new tensors, and accept memories of the weights they replaced."""
+    def _listing(self) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module]]:
+        """The adapter's and the base model's parameters by name, sorted, the LoRA layers and every module. Walking
+        the modules costs milliseconds and this is asked at every call, so they are listed again only after a module
+        registered a parameter or a submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the
+        digests of a stale list would miss the new tensors, and accept memories of the weights they replaced."""
         registrations = _Registrations.latest
         if self._listed is None or self._listed[0] != registrations:
             _Registrations.watch(self)
@@ -998,8 +1016,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     "base": [item for item, adapter in zip(named, is_adapter, strict=True) if not adapter],
                 },
                 lora_layers(self.base_model),
+                list(self.modules()),
             )
-        return self._listed[1], self._listed[2]
+        return self._listed[1:]
 
     def _weights(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """The adapter's and the base model's parameters by name, sorted (`_listing`)."""
@@ -1030,7 +1049,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             lora_scaling=tuple(float(layer.scaling[ADAPTER_NAME]) for layer in self._listing()[1]),
             conditional_lora=self._gate.conditional,
             base_config=self._base_config(),
+            training=self._modes(),
+            mode_switch=self._mode_switch,
         )
+
+    def _modes(self) -> tuple[bool, ...]:
+        """Every module's `training` flag."""
+        return tuple(module.training for module in self._listing()[2])
 
     def _base_config(self) -> dict[str, Any]:
         """`computing_settings` of the base config, read again only after the config (or an entry at any depth of
@@ -1047,10 +1072,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     @contextmanager
     def _unchanged_since(self, state: _ModelState, call: str) -> Iterator[None]:
         """Raise when the context ends if the model is no longer in `state` (`_state()`): another thread loaded an
-        adapter, stepped an optimizer, cast the model or switched its attention while `call` ran, which then ran its
-        first layers with one adapter and its last with another, and would have stored that memory under the
-        signature of either (or failed inside torch, on a cast). Entered inside the cache's transaction, which then
-        leaves the cache as it was."""
+        adapter, stepped an optimizer, cast the model, switched its attention or its training mode while `call` ran,
+        which then ran its first layers with one adapter (or without dropout) and its last with another, and would
+        have stored that memory under the signature of either (or failed inside torch, on a cast). Entered inside the
+        cache's transaction, which then leaves the cache as it was."""
         try:
             yield
         except Exception as error:
@@ -1558,9 +1583,10 @@ def _zero_loss_without_labels(
 
 def _changed_during(call: str) -> ValueError:
     return ValueError(
-        f"The model changed while {call} ran (load_adapter, an optimizer step, a cast or an attention switch in "
-        "another thread), so the call mixed two models; the cache is left as it was, and belongs to the model before "
-        "the change. Change a serving model only while no call runs on it (or serve from another copy of the model)."
+        f"The model changed while {call} ran (load_adapter, an optimizer step, a cast, an attention switch or "
+        "train()/eval() in another thread), so the call mixed two models; the cache is left as it was, and belongs to "
+        "the model before the change. Change a serving model only while no call runs on it (or serve from another copy "
+        "of the model)."
     )
 
 

@@ -1,0 +1,120 @@
+"""One model serving calls while another thread changes its state (its training mode, its generation settings): each
+call either gives what it gives alone, before or after the change, or is refused with a `ValueError` that names the
+conflict and leaves its cache as it was."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from fault_injection import assert_same, snapshot
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
+from transformers_ccm.lora import lora_layers
+
+LAYERS = 2  # decoder layers of the tiny models
+PROMPT = torch.tensor([[20, 21], [22, 23]])
+CALLS: dict[str, Callable[[CCMForCausalLM, CompressedMemoryCache], Any]] = {
+    "compress": lambda model, cache: model.compress(cache, torch.tensor([[11, 12], [13, 14]])),
+    "generate": lambda model, cache: model.generate(PROMPT, past_key_values=cache, max_new_tokens=3, do_sample=False),
+    "forward": lambda model, cache: model(input_ids=PROMPT, past_key_values=cache).logits,
+    # On a stream: more tokens than its window has room for, which it compresses as it goes.
+    "long forward": lambda model, cache: (
+        model(input_ids=torch.arange(30, 46).reshape(2, 8), past_key_values=cache).logits
+    ),
+}
+
+
+@functools.cache
+def _model() -> CCMForCausalLM:
+    """A tiny model whose LoRA dropout drops half of its inputs in training mode (tests give it back in eval mode)."""
+    return randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.5)))
+
+
+def _cache(model: CCMForCausalLM, streaming: bool) -> CompressedMemoryCache:
+    """Two users with memory: compressed contexts, or a stream past its first compression."""
+    if streaming:
+        cache = model.new_cache(2, StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4))
+        model(input_ids=torch.arange(3, 27).reshape(2, 12), past_key_values=cache)
+        return cache
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    return cache
+
+
+@contextmanager
+def _changed_in_another_thread(model: CCMForCausalLM, changes: list[Callable[[], Any]], at: int) -> Iterator[None]:
+    """Within the context, the `at`-th decoder layer forward (1-based, counted over every layer) of a call on `model`
+    waits while another thread makes the first of `changes`, the next layer forward the second, and so on."""
+    fired = []
+
+    def change(*_: object) -> None:
+        fired.append(None)
+        step = len(fired) - at
+        if 0 <= step < len(changes):
+            other = threading.Thread(target=changes[step])
+            other.start()
+            other.join()
+
+    handles = [layer.register_forward_pre_hook(change) for layer in model.base_model.model.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(fired) >= at + len(changes) - 1, "the call ran fewer layers than the changes need"
+
+
+MODE_CHANGES: dict[str, tuple[bool, list[Callable[[CCMForCausalLM], Any]]]] = {
+    # name: (whether it changes a mode, the changes made one layer apart)
+    "train()": (True, [lambda model: model.train()]),
+    "train(), then eval() one layer later": (True, [lambda model: model.train(), lambda model: model.eval()]),
+    "one LoRA dropout switched to training": (
+        True,
+        [lambda model: lora_layers(model.base_model)[-1].lora_dropout["default"].train()],
+    ),
+    "eval() of a model in eval mode": (False, [lambda model: model.eval()]),
+}
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    call=st.sampled_from(sorted(CALLS)),
+    change=st.sampled_from(sorted(MODE_CHANGES)),
+    at=st.integers(1, LAYERS),
+    streaming=st.booleans(),
+)
+def test_a_call_during_which_another_thread_switches_the_training_mode_is_refused(call, change, at, streaming):
+    """model.train() in another thread while a call ran: the call ran its first layers without dropout and its last
+    ones with it, and stored the memory its dropout drew under the model's signature, without a word; train() and
+    eval() again before the call ended did the same, leaving the model as it was. Such a call is now refused and
+    leaves its cache as it was; a switch that changes no mode changes nothing."""
+    assume(not (streaming and call == "compress"))  # a stream compresses by itself
+    switches, changes = MODE_CHANGES[change]
+    assume(at + len(changes) - 1 <= LAYERS)  # every call runs each layer at least once
+    model = _model()
+    cache = _cache(model, streaming)
+    alone = cache.copy()
+    before = snapshot(cache)
+    try:
+        with _changed_in_another_thread(model, [functools.partial(made, model) for made in changes], at):
+            if switches:
+                with pytest.raises(ValueError, match=r"The model changed while .+ ran \(.*train\(\)/eval\(\)"):
+                    CALLS[call](model, cache)
+            else:
+                got = CALLS[call](model, cache)
+    finally:
+        model.eval()
+    if switches:
+        assert_same(snapshot(cache), before)
+    else:
+        assert_same(got, CALLS[call](model, alone))
+        assert_same(snapshot(cache), snapshot(alone))
