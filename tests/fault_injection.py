@@ -2,12 +2,17 @@
 
 `FailAt(k, error)` raises `error` at the k-th tensor operation (aten op, as torch dispatches it) run while it is
 active; `count_operations(call)` says how many there are, so a test can sweep k over every operation of a call.
+`paused_at(code, call)` runs a call in a thread stopped where it enters a function, for the test to act meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
+from types import CodeType
 from typing import Any
 
 import torch
@@ -25,6 +30,51 @@ FAILURES: dict[str, Callable[[], BaseException]] = {
     "interrupt": KeyboardInterrupt,
     "out of memory": lambda: RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
 }
+
+
+JOIN_TIMEOUT = 120  # seconds: a thread still running then is a hang, reported as a failure
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """What `call()` gave: ("result", its value) or ("error", its type and message)."""
+    try:
+        return "result", call()
+    except (ValueError, TypeError, RuntimeError) as error:
+        return "error", (type(error), str(error))
+
+
+def join(thread: threading.Thread) -> None:
+    thread.join(JOIN_TIMEOUT)
+    assert not thread.is_alive(), f"a thread still runs after {JOIN_TIMEOUT} s: something was left held"
+
+
+@contextmanager
+def paused_at(code: CodeType, call: Callable[[], Any]) -> Iterator[dict[str, Any]]:
+    """Run `call()` in a thread that stops where it first enters the function of `code` until the context's body has
+    run; yields what the call gave (`outcome`) under "outcome", filled in once the context ends."""
+    reached, resume = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def stop_there(frame: Any, event: str, _: Any) -> None:
+        if event == "call" and frame.f_code is code and not reached.is_set():
+            reached.set()
+            resume.wait(JOIN_TIMEOUT)
+
+    def run() -> None:
+        sys.settrace(stop_there)
+        try:
+            got["outcome"] = outcome(call)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert reached.wait(JOIN_TIMEOUT), f"the call never entered {code.co_qualname}"
+        yield got
+    finally:
+        resume.set()
+        join(thread)
 
 
 class FailAt(TorchDispatchMode):

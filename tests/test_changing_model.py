@@ -4,6 +4,7 @@ conflict and leaves its cache as it was."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fault_injection import assert_same, snapshot
+from fault_injection import assert_same, outcome, paused_at, snapshot
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.lora import lora_layers
@@ -117,4 +118,68 @@ def test_a_call_during_which_another_thread_switches_the_training_mode_is_refuse
         assert_same(snapshot(cache), before)
     else:
         assert_same(got, CALLS[call](model, alone))
+        assert_same(snapshot(cache), snapshot(alone))
+
+
+def _set_generation_config(model: CCMForCausalLM, **settings: Any) -> None:
+    for name, value in settings.items():
+        setattr(model.generation_config, name, value)
+
+
+GENERATION_CHANGES: dict[str, tuple[bool, Callable[[CCMForCausalLM], Any]]] = {
+    # name: (whether it changes a setting, the change)
+    "eos and pad tokens set": (True, functools.partial(_set_generation_config, eos_token_id=58, pad_token_id=1)),
+    "use_cache switched off": (True, functools.partial(_set_generation_config, use_cache=False)),
+    "max_new_tokens set": (True, functools.partial(_set_generation_config, max_new_tokens=1)),
+    "replaced by an equal copy": (
+        False,
+        lambda model: setattr(model, "generation_config", copy.deepcopy(model.generation_config)),
+    ),
+}
+GENERATE_CALLS: dict[str, Callable[[CCMForCausalLM, CompressedMemoryCache], Any]] = {
+    "greedy": CALLS["generate"],
+    "beam search": lambda model, cache: model.generate(
+        PROMPT, past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+    ),
+}
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    call=st.sampled_from(sorted(GENERATE_CALLS)),
+    change=st.sampled_from(sorted(GENERATION_CHANGES)),
+    decoding=st.booleans(),
+    streaming=st.booleans(),
+)
+def test_a_generate_during_which_another_thread_changes_the_generation_config_is_refused(
+    call, change, decoding, streaming
+):
+    """generate() checked and resolved the model's generation_config, then transformers' generate() read it again: a
+    change by another thread in between decoded the reply with the new settings while the turn ended with the old
+    ones (the padding of a row ended by the new EOS joined its memory as tokens), and use_cache switched off decoded
+    without the memory, without a word. Such a call (also when the change comes while it decodes) is now refused and
+    leaves its cache as it was; setting an equal config changes nothing."""
+    model = _model()
+    changes, make_change = GENERATION_CHANGES[change]
+    original = copy.deepcopy(model.generation_config)
+    cache = _cache(model, streaming)
+    alone = cache.copy()
+    before = snapshot(cache)
+    run = functools.partial(GENERATE_CALLS[call], model, cache)
+    try:
+        if decoding:  # the call has resolved its settings and decodes: at the second token's first layer
+            with _changed_in_another_thread(model, [functools.partial(make_change, model)], LAYERS + 1):
+                got = outcome(run)
+        else:  # between generate()'s own reading of the settings and transformers'
+            first_step = CompressedMemoryCache.begin_generation.__code__
+            with paused_at(first_step, run) as paused:
+                make_change(model)
+            got = paused["outcome"]
+    finally:
+        model.generation_config = original
+    if changes:
+        assert got[0] == "error" and "generation_config was changed or replaced" in got[1][1], got
+        assert_same(snapshot(cache), before)
+    else:
+        assert_same(got, ("result", GENERATE_CALLS[call](model, alone)))
         assert_same(snapshot(cache), snapshot(alone))

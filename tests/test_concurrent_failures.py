@@ -7,8 +7,8 @@ import asyncio
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,56 +25,26 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from fault_injection import FAILURES, FailAt, assert_same, model_snapshot, snapshot
+from fault_injection import (
+    FAILURES,
+    JOIN_TIMEOUT,
+    FailAt,
+    assert_same,
+    join,
+    model_snapshot,
+    outcome,
+    paused_at,
+    snapshot,
+)
 from tiny_models import InjectedFailure, SeededSampling, randomize_adapter, tiny_ccm, tiny_longrope_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.lora import _GATE, _GateState
 
-JOIN_TIMEOUT = 120  # seconds: a thread still running then is a hang, reported as a failure
 
-
-def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
-    """What `call()` gave: ("result", its value) or ("error", its type and message)."""
-    try:
-        return "result", call()
-    except (ValueError, TypeError, RuntimeError) as error:
-        return "error", (type(error), str(error))
-
-
-def _join(thread: threading.Thread) -> None:
-    thread.join(JOIN_TIMEOUT)
-    assert not thread.is_alive(), f"a thread still runs after {JOIN_TIMEOUT} s: something was left held"
-
-
-@contextmanager
-def _paused_when_claiming(call: Callable[[], Any]) -> Iterator[dict[str, Any]]:
-    """Run `call()` in a thread that stops where it first claims a cache (`CompressedMemoryCache._claimed`) until the
-    context's body has run; yields what the call gave, filled in once the context ends."""
-    claim = CompressedMemoryCache._claimed.__wrapped__.__code__
-    reached, resume = threading.Event(), threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def stop_at_claim(frame: Any, event: str, _: Any) -> None:
-        if event == "call" and frame.f_code is claim and not reached.is_set():
-            reached.set()
-            resume.wait(JOIN_TIMEOUT)
-
-    def run() -> None:
-        sys.settrace(stop_at_claim)
-        try:
-            outcome["outcome"] = _outcome(call)
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        assert reached.wait(JOIN_TIMEOUT), "the call never claimed the cache"
-        yield outcome
-    finally:
-        resume.set()
-        _join(thread)
+def _paused_when_claiming(call: Callable[[], Any]) -> AbstractContextManager[dict[str, Any]]:
+    """`paused_at` where `call()` first claims a cache (`CompressedMemoryCache._claimed`)."""
+    return paused_at(CompressedMemoryCache._claimed.__wrapped__.__code__, call)
 
 
 def _with_turn(model: CCMForCausalLM) -> CompressedMemoryCache:
@@ -113,7 +83,7 @@ def test_a_call_checks_the_cache_as_it_runs_on_it(call, meanwhile):
     model = tiny_ccm("llama", update="concat")
     serial = _with_turn(model)
     MEANWHILE[meanwhile](model, serial)
-    expected = _outcome(lambda: CALLS[call](model, serial))
+    expected = outcome(lambda: CALLS[call](model, serial))
     cache = _with_turn(model)
     with _paused_when_claiming(lambda: CALLS[call](model, cache)) as got:
         MEANWHILE[meanwhile](model, cache)
@@ -248,7 +218,7 @@ class _Served:
                 return calls[operation]()
         finally:
             if operation == "generate streamed":
-                _join(reader)
+                join(reader)
 
     def held(self) -> Any:
         return snapshot(self.cache), snapshot(self.stream)
@@ -358,7 +328,7 @@ def _serve_together(
         for thread in threads:
             thread.start()
         for thread in threads:
-            _join(thread)
+            join(thread)
 
     # A daemon thread: a call left hanging fails the test (at the join) instead of hanging it.
     main = threading.Thread(target=in_tasks if runner == "asyncio tasks" else in_threads, daemon=True)
@@ -366,7 +336,7 @@ def _serve_together(
     sys.setswitchinterval(1e-6)  # interleave the threads finely
     try:
         main.start()
-        _join(main)
+        join(main)
     finally:
         sys.setswitchinterval(interval)
     if errors:

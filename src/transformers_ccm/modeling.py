@@ -724,6 +724,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         "reply to nothing and fold that reply into their memory; give every row at least one token "
                         "with mask 1 (or leave those users out of the batch)."
                     )
+            # transformers' generate() reads the model's settings again: a change in between is checked for after it.
+            seen = self.generation_config.to_dict()
             _check_token_counts(kwargs, kwargs.get("generation_config") or self.generation_config)
             settings = self._generation_settings(kwargs)
             if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
@@ -773,6 +775,14 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         attention_mask=attention_mask,
                         **{CACHE_ARGUMENT: run_cache},
                         **kwargs,
+                    )
+                if self.generation_config.to_dict() != seen:
+                    raise ValueError(
+                        "model.generation_config was changed or replaced (in another thread) while generate() ran, so "
+                        "the reply was decoded with other settings than the ones generate() checked and ends the turn "
+                        "with (eos_token_id, pad_token_id, use_cache, ...); the cache is left as it was. Change "
+                        "generation_config only while no generate() runs on the model, or give each call its own "
+                        "settings (generate(..., generation_config=...) or keyword arguments such as eos_token_id=)."
                     )
                 sequences = output if isinstance(output, torch.Tensor) else output.sequences
                 if num_sequences > 1:
