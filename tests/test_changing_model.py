@@ -1,14 +1,16 @@
-"""One model serving calls while another thread changes its state (its training mode, its generation settings): each
-call either gives what it gives alone, before or after the change, or is refused with a `ValueError` that names the
-conflict and leaves its cache as it was."""
+"""One model serving calls under every grad mode (`torch.no_grad`, `torch.inference_mode`, grad mode), and while
+another thread changes its state (its training mode, its generation settings): each call either gives what it gives
+alone, before or after the change, or is refused with a `ValueError` that names the conflict and leaves its cache as
+it was."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fault_injection import assert_same, outcome, paused_at, snapshot
+from fault_injection import assert_same, join, outcome, paused_at, snapshot
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.lora import lora_layers
@@ -183,3 +185,77 @@ def test_a_generate_during_which_another_thread_changes_the_generation_config_is
     else:
         assert_same(got, ("result", GENERATE_CALLS[call](model, alone)))
         assert_same(snapshot(cache), snapshot(alone))
+
+
+GRAD_MODES: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+    "grad": torch.enable_grad,
+}
+
+
+def _served(model: CCMForCausalLM, streaming: bool, program: list[tuple[str, str]]) -> list[Any]:
+    """What `program` (calls, each under a grad mode) gives on a new cache, and the cache's content at the end."""
+    with GRAD_MODES[program[0][1]]():  # the cache's first memory made under the first call's mode
+        cache = _cache(model, streaming)
+    results = []
+    for call, mode in program:
+        if call == "compress" and streaming:  # a stream compresses by itself
+            call = "long forward"
+        with GRAD_MODES[mode]():  # a refused call (a generate() before the turn was folded) is a result too
+            results.append(outcome(functools.partial(CALLS[call], model, cache)))
+    return [*results, snapshot(cache)]
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    programs=st.lists(
+        st.lists(
+            st.tuples(st.sampled_from(sorted(CALLS)), st.sampled_from(sorted(GRAD_MODES))), min_size=1, max_size=4
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    streaming=st.booleans(),
+)
+def test_calls_under_any_grad_mode_from_threads_give_the_results_of_no_grad_calls_alone(programs, streaming):
+    """Under torch.inference_mode(), as servers call models, every call failed inside the cache with torch's
+    "Inference tensors do not track version counter" (its counters, made there, keep none). Users served from threads,
+    each call under its own grad mode, now get exactly what no_grad calls give one user at a time."""
+    model = _model()
+    alone = [_served(model, streaming, [(call, "no_grad") for call, _ in program]) for program in programs]
+    got: list[Any] = [None] * len(programs)
+
+    def serve(user: int) -> None:
+        got[user] = _served(model, streaming, programs[user])
+
+    threads = [threading.Thread(target=serve, args=(user,)) for user in range(len(programs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        join(thread)
+    assert_same(got, alone, "users")
+
+
+def test_a_model_loaded_under_inference_mode_is_refused_with_the_fix():
+    """Its weights keep no version counter: every call failed inside torch with "Inference tensors do not track
+    version counter", naming nothing of the model nor what to do."""
+    with torch.inference_mode():
+        model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    message = r"weights .+ were made under torch.inference_mode\(\).+ Load and wrap the model outside"
+    for call in (model.new_cache, model.memory_signature):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_an_adapter_loaded_under_inference_mode_changes_the_signature():
+    """Weights changed in place under torch.inference_mode() (load_adapter there) count as changed: the caches made
+    before are refused."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    cache = _cache(model, streaming=False)
+    with tempfile.TemporaryDirectory() as folder:
+        randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), seed=7).save_pretrained(folder)
+        with torch.inference_mode():
+            model.load_adapter(folder)
+    with pytest.raises(ValueError, match="adapter_sha256"):
+        CALLS["forward"](model, cache)

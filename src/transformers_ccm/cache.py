@@ -837,7 +837,12 @@ class CompressedMemoryCache(Cache):
     def _know_history(self, most: int | None) -> None:
         """Record that no row of the current counters has taken in more than `most` tokens (None: unknown)."""
         positions, rebased = self.rows.next_position, self.rows.rebased
-        self._history = None if most is None else (positions, rebased, (positions._version, rebased._version), most)
+        # Tensors made under torch.inference_mode() keep no version counter, so a change in place to them goes unseen:
+        # their bound is left unknown.
+        if most is None or positions.is_inference() or rebased.is_inference():
+            self._history = None
+            return
+        self._history = positions, rebased, (positions._version, rebased._version), most
 
     def _mask_free(self, sdpa: bool, new: int) -> bool:
         """Whether a forward of `new` tokens that see every held position may go without an attention mask."""

@@ -1037,7 +1037,19 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def _versions(self, kind: str) -> tuple[tuple[int, int], ...]:
         """The version counter and storage of every `kind` weight: they differ once one changed (in place: its
         version counter; replaced: its storage)."""
-        return tuple((parameter._version, parameter.data_ptr()) for _, parameter in self._weights()[kind])
+        weights = self._weights()[kind]
+        try:
+            return tuple((parameter._version, parameter.data_ptr()) for _, parameter in weights)
+        except RuntimeError as error:  # torch's "Inference tensors do not track version counter"
+            made = [name for name, parameter in weights if parameter.is_inference()]
+            if not made:
+                raise
+            raise ValueError(
+                f"The model's weights {made[:3]}{' ...' if len(made) > 3 else ''} were made under "
+                "torch.inference_mode() (loaded there, say), which keeps no count of their changes, so a memory made "
+                "before a change could not be told from one made after it. Load and wrap the model outside "
+                "torch.inference_mode(); its calls may run inside it."
+            ) from error
 
     def _digest(
         self, kind: str, compute: Callable[[list[tuple[str, torch.Tensor]]], str], versions: tuple[tuple[int, int], ...]
