@@ -11,12 +11,14 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from transformers import GenerationConfig
 
 from fault_injection import assert_same, join, outcome, paused_at, snapshot
 from tiny_models import randomize_adapter, tiny_base
@@ -25,6 +27,7 @@ from transformers_ccm.lora import lora_layers
 
 LAYERS = 2  # decoder layers of the tiny models
 PROMPT = torch.tensor([[20, 21], [22, 23]])
+SETTINGS = {"eos_token_id": 2, "pad_token_id": 0}  # of a generation_config given to a call
 CALLS: dict[str, Callable[[CCMForCausalLM, CompressedMemoryCache], Any]] = {
     "compress": lambda model, cache: model.compress(cache, torch.tensor([[11, 12], [13, 14]])),
     "generate": lambda model, cache: model.generate(PROMPT, past_key_values=cache, max_new_tokens=3, do_sample=False),
@@ -123,67 +126,76 @@ def test_a_call_during_which_another_thread_switches_the_training_mode_is_refuse
         assert_same(snapshot(cache), snapshot(alone))
 
 
-def _set_generation_config(model: CCMForCausalLM, **settings: Any) -> None:
+def _set_generation_config(holder: Any, **settings: Any) -> None:
     for name, value in settings.items():
-        setattr(model.generation_config, name, value)
+        setattr(holder.generation_config, name, value)
 
 
-GENERATION_CHANGES: dict[str, tuple[bool, Callable[[CCMForCausalLM], Any]]] = {
-    # name: (whether it changes a setting, the change)
+GENERATION_CHANGES: dict[str, tuple[bool, Callable[[Any], Any]]] = {
+    # name: (whether it changes a setting, the change to the `generation_config` of a model or of a call's holder)
     "eos and pad tokens set": (True, functools.partial(_set_generation_config, eos_token_id=58, pad_token_id=1)),
     "use_cache switched off": (True, functools.partial(_set_generation_config, use_cache=False)),
     "max_new_tokens set": (True, functools.partial(_set_generation_config, max_new_tokens=1)),
     "replaced by an equal copy": (
         False,
-        lambda model: setattr(model, "generation_config", copy.deepcopy(model.generation_config)),
+        lambda holder: setattr(holder, "generation_config", copy.deepcopy(holder.generation_config)),
     ),
 }
-GENERATE_CALLS: dict[str, Callable[[CCMForCausalLM, CompressedMemoryCache], Any]] = {
-    "greedy": CALLS["generate"],
-    "beam search": lambda model, cache: model.generate(
-        PROMPT, past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+GENERATE_CALLS: dict[str, Callable[..., Any]] = {
+    # Called with the model, the cache and the call's own options (its generation_config, if any).
+    "greedy": lambda model, cache, **options: model.generate(
+        PROMPT, past_key_values=cache, max_new_tokens=3, do_sample=False, **options
+    ),
+    "beam search": lambda model, cache, **options: model.generate(
+        PROMPT, past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False, **options
     ),
 }
 
 
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=32, deadline=None)
 @given(
     call=st.sampled_from(sorted(GENERATE_CALLS)),
     change=st.sampled_from(sorted(GENERATION_CHANGES)),
+    whose=st.sampled_from(["the model's", "the call's"]),
     decoding=st.booleans(),
     streaming=st.booleans(),
 )
-def test_a_generate_during_which_another_thread_changes_the_generation_config_is_refused(
-    call, change, decoding, streaming
+def test_a_generate_during_which_another_thread_changes_its_generation_config_is_refused_or_unaffected(
+    call, change, whose, decoding, streaming
 ):
-    """generate() checked and resolved the model's generation_config, then transformers' generate() read it again: a
-    change by another thread in between decoded the reply with the new settings while the turn ended with the old
-    ones (the padding of a row ended by the new EOS joined its memory as tokens), and use_cache switched off decoded
-    without the memory, without a word. Such a call (also when the change comes while it decodes) is now refused and
-    leaves its cache as it was; setting an equal config changes nothing."""
+    """generate() checked and resolved its generation settings, then transformers' generate() read them again: a
+    change by another thread in between (of the model's generation_config, or of one given to the call and shared by
+    requests) decoded the reply with the new settings while the turn ended with the old ones (the padding of a row
+    ended by the new EOS joined its memory as tokens), and use_cache switched off decoded without the memory, without a
+    word. A call now reads the config given to it once, so that a change of it does not touch the call; one during
+    which the model's changes (also while it decodes) is refused and leaves its cache as it was; setting an equal
+    config changes nothing."""
     model = _model()
     changes, make_change = GENERATION_CHANGES[change]
     original = copy.deepcopy(model.generation_config)
+    holder = model if whose == "the model's" else SimpleNamespace(generation_config=GenerationConfig(**SETTINGS))
+    options = {} if holder is model else {"generation_config": holder.generation_config}
     cache = _cache(model, streaming)
     alone = cache.copy()
     before = snapshot(cache)
-    run = functools.partial(GENERATE_CALLS[call], model, cache)
+    run = functools.partial(GENERATE_CALLS[call], model, cache, **options)
     try:
         if decoding:  # the call has resolved its settings and decodes: at the second token's first layer
-            with _changed_in_another_thread(model, [functools.partial(make_change, model)], LAYERS + 1):
+            with _changed_in_another_thread(model, [functools.partial(make_change, holder)], LAYERS + 1):
                 got = outcome(run)
         else:  # between generate()'s own reading of the settings and transformers'
             first_step = CompressedMemoryCache.begin_generation.__code__
             with paused_at(first_step, run) as paused:
-                make_change(model)
+                make_change(holder)
             got = paused["outcome"]
     finally:
         model.generation_config = original
-    if changes:
+    if changes and holder is model:
         assert got[0] == "error" and "generation_config was changed or replaced" in got[1][1], got
         assert_same(snapshot(cache), before)
     else:
-        assert_same(got, ("result", GENERATE_CALLS[call](model, alone)))
+        options = {} if holder is model else {"generation_config": GenerationConfig(**SETTINGS)}
+        assert_same(got, ("result", GENERATE_CALLS[call](model, alone, **options)))
         assert_same(snapshot(cache), snapshot(alone))
 
 

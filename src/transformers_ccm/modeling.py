@@ -724,7 +724,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         "reply to nothing and fold that reply into their memory; give every row at least one token "
                         "with mask 1 (or leave those users out of the batch)."
                     )
-            # transformers' generate() reads the model's settings again: a change in between is checked for after it.
+            # transformers' generate() reads the settings again: the caller's own (which may be shared by requests, and
+            # changed by another thread) are read from a copy of this call's, and a change of the model's in between is
+            # checked for after it.
+            if kwargs.get("generation_config") is not None:
+                kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
             seen = self.generation_config.to_dict()
             _check_token_counts(kwargs, kwargs.get("generation_config") or self.generation_config)
             settings = self._generation_settings(kwargs)
@@ -736,7 +740,6 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 )
             if not settings.use_cache:  # the memory is in the cache: decoding without it would feed every token again
                 if kwargs.get("generation_config") is not None and "use_cache" not in kwargs:
-                    kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
                     kwargs["generation_config"].use_cache = True
                 else:
                     kwargs["use_cache"] = True
