@@ -285,7 +285,7 @@ def test_a_copy_made_during_a_call_is_free_for_every_thread(duplicate):
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(twin.layers, cache.layers, strict=True))
 
 
-@pytest.mark.parametrize("operation", ["copy", "deepcopy", "reorder", "reset"])
+@pytest.mark.parametrize("operation", ["copy", "copy.copy", "deepcopy", "reorder", "reset"])
 def test_copying_reordering_or_resetting_a_cache_while_another_thread_runs_a_call_on_it_is_refused(operation):
     """A copy read the layers half updated by the other thread's call (as a save would); a reorder or a reset changed
     them under it. All are refused with the fix, as a call is, and change nothing."""
@@ -299,6 +299,7 @@ def test_copying_reordering_or_resetting_a_cache_while_another_thread_runs_a_cal
 
     operations = {
         "copy": lambda: cache.copy(),
+        "copy.copy": lambda: copy.copy(cache),
         "deepcopy": lambda: copy.deepcopy(cache),
         "reorder": lambda: cache.reorder_cache(torch.tensor([1, 0])),
         "reset": lambda: cache.reset(),
@@ -641,6 +642,36 @@ def _two_users(streaming: bool) -> CompressedMemoryCache:
     cache = model.new_cache(2, streaming=StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=3))
     model(input_ids=torch.randint(3, VOCAB, (2, 12)), past_key_values=cache)
     return cache
+
+
+def _generate_and_fold(model: CCMForCausalLM, cache: CompressedMemoryCache) -> None:
+    CALLS["generate"](model, cache)
+    if cache.has_unfolded_turn:  # a stream holds every token itself
+        model.compress(cache)
+
+
+SHALLOW_COPY_CALLS: dict[str, Callable[[CCMForCausalLM, CompressedMemoryCache], object]] = {
+    "compress": CALLS["compress"],
+    "generate and fold": _generate_and_fold,
+    "forward": CALLS["forward"],
+    "reset": lambda _, cache: cache.reset(),
+    "reorder": lambda _, cache: cache.reorder_cache(torch.tensor([1, 0])),
+}
+
+
+@settings(max_examples=10, deadline=None)
+@given(calls=st.lists(st.sampled_from(sorted(SHALLOW_COPY_CALLS)), min_size=1, max_size=3), streaming=st.booleans())
+def test_a_shallow_copy_of_a_cache_changes_independently(calls, streaming):
+    """copy.copy(cache) shared the cache's layers: a call on the copy changed the original's memory under it (and ran
+    beside a call on the original in another thread, unrefused, on the same layers)."""
+    model = tiny_ccm("llama", num_comp_tokens=2)
+    cache = _two_users(streaming)
+    before = snapshot(cache)
+    twin = copy.copy(cache)
+    for call in calls:
+        if not (streaming and call == "compress"):  # a stream compresses by itself
+            SHALLOW_COPY_CALLS[call](model, twin)
+    assert_same(snapshot(cache), before)
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -1195,6 +1195,11 @@ class CompressedMemoryCache(Cache):
                 clone.layers.append(twin)
         return clone
 
+    def __copy__(self) -> CompressedMemoryCache:
+        """`copy()`, for `copy.copy`: the default shallow copy shared the layers, so that a call on either changed the
+        other, and escaped the claim of a call running on the cache in another thread."""
+        return self.copy()
+
     def __deepcopy__(self, memo: dict[int, Any]) -> CompressedMemoryCache:
         """A copy with tensors of its own (`copy.deepcopy`), refused while another thread runs a call on this cache."""
         with self._claimed():
