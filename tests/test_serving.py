@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import pickle
 import re
 import threading
 from collections.abc import Callable
@@ -262,8 +263,6 @@ def test_saving_a_cache_while_another_thread_runs_a_call_on_it_is_refused(tmp_pa
 def test_a_copy_made_during_a_call_is_free_for_every_thread(duplicate):
     """A deep copy (or a pickle) of a cache made inside a transaction, or from a streamer or stopping criterion of a
     running generate(), took the claim along: every other thread was then told, forever, that the copy was in use."""
-    import pickle
-
     model = tiny_ccm("llama")
     cache = _filled(model)
     make = {"copy": lambda c: c.copy(), "deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c))}
@@ -285,10 +284,11 @@ def test_a_copy_made_during_a_call_is_free_for_every_thread(duplicate):
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(twin.layers, cache.layers, strict=True))
 
 
-@pytest.mark.parametrize("operation", ["copy", "copy.copy", "deepcopy", "reorder", "reset"])
+@pytest.mark.parametrize("operation", ["copy", "copy.copy", "deepcopy", "pickle", "reorder", "reset"])
 def test_copying_reordering_or_resetting_a_cache_while_another_thread_runs_a_call_on_it_is_refused(operation):
-    """A copy read the layers half updated by the other thread's call (as a save would); a reorder or a reset changed
-    them under it. All are refused with the fix, as a call is, and change nothing."""
+    """A copy (or a pickle) read the layers half updated by the other thread's call (as a save would): a compress's
+    context in the turn, with the keys of its first layers only; a reorder or a reset changed them under it. All are
+    refused with the fix, as a call is, and change nothing."""
     model = tiny_ccm("llama")
     cache = _filled(model)
     inside, release = threading.Event(), threading.Event()
@@ -301,6 +301,7 @@ def test_copying_reordering_or_resetting_a_cache_while_another_thread_runs_a_cal
         "copy": lambda: cache.copy(),
         "copy.copy": lambda: copy.copy(cache),
         "deepcopy": lambda: copy.deepcopy(cache),
+        "pickle": lambda: pickle.dumps(cache),
         "reorder": lambda: cache.reorder_cache(torch.tensor([1, 0])),
         "reset": lambda: cache.reset(),
     }

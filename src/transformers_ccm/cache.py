@@ -1185,14 +1185,8 @@ class CompressedMemoryCache(Cache):
     def copy(self) -> CompressedMemoryCache:
         """A cache with the same content that changes independently (tensors are replaced, never changed, so
         they are shared until then). Refused while another thread runs a call on this cache, as `save` is."""
-        with self._claimed():
-            clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
-            clone.__dict__.update(self.__getstate__())
-            clone.layers = []
-            for layer in self.layers:
-                twin = type(layer).__new__(type(layer))
-                twin.__dict__.update(layer.__dict__)
-                clone.layers.append(twin)
+        clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
+        clone.__dict__.update(self.__getstate__())
         return clone
 
     def __copy__(self) -> CompressedMemoryCache:
@@ -1202,15 +1196,23 @@ class CompressedMemoryCache(Cache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompressedMemoryCache:
         """A copy with tensors of its own (`copy.deepcopy`), refused while another thread runs a call on this cache."""
-        with self._claimed():
-            clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
-            memo[id(self)] = clone
-            clone.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
-        """The content without the claim: a copy (or a pickle) is a new cache, free whoever holds this one."""
-        return {**self.__dict__, "_user": None, "_call": None}
+        """The content of one moment, without the claim: a copy (or a pickle) is a new cache, free whoever holds this
+        one. Layers of their own, which this cache's calls do not change (its tensors are shared: they are replaced,
+        never changed); refused while another thread runs a call on this cache, as `save` is: a pickle read the
+        layers half updated."""
+        with self._claimed():
+            layers = []
+            for layer in self.layers:
+                twin = type(layer).__new__(type(layer))
+                twin.__dict__.update(layer.__dict__)
+                layers.append(twin)
+            return {**self.__dict__, "_user": None, "_call": None, "layers": layers}
 
     # ----- checks ------------------------------------------------------------------------------------------------
     def check_signature(self, signature: dict[str, Any]) -> None:
