@@ -596,6 +596,11 @@ def _step_the_adapter(model: CCMForCausalLM, _) -> None:
             layer.lora_B["default"].weight.add_(0.1)
 
 
+def _switch_peft_path_on(model: CCMForCausalLM) -> None:
+    for layer in lora_layers(model.base_model):
+        layer.enable_adapters(True)
+
+
 MODEL_CHANGES = {
     "load_adapter": lambda model, path: model.load_adapter(path),
     "optimizer step": _step_the_adapter,
@@ -603,6 +608,9 @@ MODEL_CHANGES = {
     "cast": lambda model, _: model.half(),
     "LoRA scaling": lambda model, _: _set_scale(model),
     "base config": lambda model, _: setattr(model.base_model.config, "rms_norm_eps", 1e-2),
+    # It ran the later layers with the LoRA at every token besides the gate's, and stored that memory, which the
+    # model accepted again once the path was switched off.
+    "PEFT's LoRA path switched on": lambda model, _: _switch_peft_path_on(model),
 }
 
 

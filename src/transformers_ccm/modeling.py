@@ -102,6 +102,7 @@ class _ModelState(NamedTuple):
     attention: str  # the base model's attention implementation
     lora_scaling: tuple[float, ...]  # the scaling (lora_alpha / r) each LoRA layer multiplies its branch by
     conditional_lora: bool  # whether the gate keeps the LoRA to <COMP> positions
+    peft_path_off: tuple[bool, ...]  # per LoRA layer, whether PEFT's own LoRA path is off (`_check_wrapping`)
     base_config: dict[str, Any]  # the base config's entries that change its numbers (`computing_settings`)
     training: tuple[bool, ...]  # every module's mode (dropout acts in training mode)
     mode_switch: int  # the latest `CCMForCausalLM.train()` or `eval()` that changed a mode: a switch and back counts
@@ -1073,6 +1074,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             attention=self.base_model.config._attn_implementation,
             lora_scaling=tuple(float(layer.scaling[ADAPTER_NAME]) for layer in self._listing()[1]),
             conditional_lora=self._gate.conditional,
+            peft_path_off=tuple(layer.disable_adapters for layer in self._listing()[1]),
             base_config=self._base_config(),
             training=self._modes(),
             mode_switch=self._mode_switch,
@@ -1608,10 +1610,10 @@ def _zero_loss_without_labels(
 
 def _changed_during(call: str) -> ValueError:
     return ValueError(
-        f"The model changed while {call} ran (load_adapter, an optimizer step, a cast, an attention switch or "
-        "train()/eval() in another thread), so the call mixed two models; the cache is left as it was, and belongs to "
-        "the model before the change. Change a serving model only while no call runs on it (or serve from another copy "
-        "of the model)."
+        f"The model changed while {call} ran (load_adapter, an optimizer step, a cast, an attention or LoRA switch, "
+        "or train()/eval() in another thread), so the call mixed two models; the cache is left as it was, and belongs "
+        "to the model before the change. Change a serving model only while no call runs on it (or serve from another "
+        "copy of the model)."
     )
 
 
