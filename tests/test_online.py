@@ -1,5 +1,6 @@
 """Online inference through CompressedMemoryCache: equal to the parallel forward, generate(), folding, batching."""
 
+import functools
 import warnings
 
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from tiny_models import ARCHITECTURES, VOCAB, randomize_adapter, tiny_base, tiny_ccm
+from fault_injection import assert_same, snapshot
+from tiny_models import ARCHITECTURES, VOCAB, InjectedFailure, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 
 TOLERANCE = 1e-4
@@ -483,6 +485,81 @@ def test_rows_a_stopping_criterion_stops_early_fold_no_padding():
     )
     assert sequences[0, 4:].tolist() == [0] * 4 and 0 not in sequences[1].tolist()
     _folded_rows(model, cache, sequences, [4, 8])
+
+
+class StopAfter(StoppingCriteria):
+    """Stops row r (each of its beams) once it generated `counts[r]` tokens (None: never); raises `InjectedFailure`
+    at reply length `fail_at`."""
+
+    def __init__(self, counts, prompt_length, fail_at=None):
+        self.counts, self.prompt_length, self.fail_at = counts, prompt_length, fail_at
+
+    def __call__(self, input_ids, scores, **kwargs):
+        generated = input_ids.shape[1] - self.prompt_length
+        if generated == self.fail_at:
+            raise InjectedFailure(f"stopping criterion at reply length {generated}")
+        done = torch.tensor([count is not None and generated >= count for count in self.counts])
+        return done.repeat_interleave(input_ids.shape[0] // len(self.counts))  # beam search asks for every beam
+
+
+@functools.cache
+def _model_without_special_tokens():
+    """A tiny CCM model whose base saves no EOS and no pad token: each call sets its own."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    model.base_model.generation_config.update(eos_token_id=None, pad_token_id=None)
+    return model
+
+
+_PROMPTS = torch.tensor([[20, 21], [30, 31], [40, 41]])
+_CONTEXTS = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+_NEW = 5
+
+
+def _generate_after_context(model, rows, eos, pad, counts, beams, fail_at=None):
+    """A cache of `rows` users that folded their context, and generate()'s call on it: (cache, call)."""
+    cache = model.new_cache(len(rows))
+    model.compress(cache, _CONTEXTS[rows])
+    config = GenerationConfig(max_new_tokens=_NEW, do_sample=False, num_beams=beams, eos_token_id=eos, pad_token_id=pad)
+    stopping = StoppingCriteriaList([StopAfter(counts, _PROMPTS.shape[1], fail_at)])
+    return cache, lambda: model.generate(
+        _PROMPTS[rows], past_key_values=cache, generation_config=config, stopping_criteria=stopping
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_each_row_of_a_batch_folds_the_reply_it_gets_alone(data):
+    """Rows of a batch that finish at different times (an EOS, a stopping criterion, max_new_tokens) fold the reply
+    each user gets generating alone, greedy or with beam search: a row a criterion stopped folded one padding EOS
+    when no pad token was set (or the tokens generated after it when no EOS was), and a reply ending with the pad id
+    lost those tokens."""
+    model = _model_without_special_tokens()
+    batch = data.draw(st.integers(1, 3), label="batch")
+    rows = list(range(batch))
+    free = model.generate(_PROMPTS[rows], past_key_values=model.new_cache(batch), max_new_tokens=_NEW)[:, 2:]
+    produced = st.tuples(st.integers(0, batch - 1), st.integers(0, _NEW - 1)).map(lambda at: int(free[at]))
+    eos = data.draw(st.none() | produced, label="eos")
+    pad = data.draw(st.none() | st.just(eos) | produced, label="pad")
+    counts = data.draw(st.lists(st.none() | st.integers(1, _NEW), min_size=batch, max_size=batch), label="counts")
+    beams = data.draw(st.sampled_from([1, 2]), label="beams")
+    fail_at = data.draw(st.none() | st.integers(1, _NEW), label="fail_at")
+    cache, call = _generate_after_context(model, rows, eos, pad, counts, beams, fail_at)
+    before = snapshot(cache)
+    try:
+        sequences = call()[:, _PROMPTS.shape[1] :]
+    except InjectedFailure:
+        assert_same(snapshot(cache), before)
+        return
+    model.compress(cache)
+    for row in rows:
+        alone, call = _generate_after_context(model, [row], eos, pad, [counts[row]], beams)
+        reply = call()[0, _PROMPTS.shape[1] :]
+        assert sequences[row, : len(reply)].tolist() == reply.tolist()
+        model.compress(alone)
+        assert int(cache.next_position[row]) == int(alone.next_position[0]), f"row {row}"
+        for layer, single in zip(cache.layers, alone.layers, strict=True):
+            torch.testing.assert_close(layer.keys[row : row + 1], single.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[row : row + 1], single.values, atol=1e-5, rtol=0)
 
 
 def _forward_inputs(model, path):

@@ -885,27 +885,19 @@ class CompressedMemoryCache(Cache):
                 "The cache holds a turn that was not folded; call model.compress(cache) before the next generate()."
             )
 
-    def end_generation(
-        self, generated: torch.Tensor, eos_token_ids: list[int], pad_token_id: int | None = None
-    ) -> None:
-        """Record the tokens `generate()` produced: those after a row's first EOS are padding, and so are the
-        `pad_token_id`s that end a row of a batch (transformers pads a row that a stopping criterion or a stop
-        string finished, when an EOS is set); the last token is pending (no keys/values yet).
+    def end_generation(self, generated: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Record the tokens `generate()` produced: each row's first `lengths` ones are its reply, those after it the
+        padding of a row that finished before the others; the last token is pending (no keys/values yet).
 
         Args:
             generated: `(batch, new_tokens)` the generated ids (prompt excluded).
+            lengths: `(batch,)` each row's reply length, at most `new_tokens`.
         """
         if generated.shape[1] == 0:
             return
         rows = self.rows
         device = rows.next_position.device
-        is_eos = torch.isin(generated, torch.tensor(eos_token_ids, device=generated.device, dtype=generated.dtype))
-        # A token is real up to and including the row's first EOS.
-        real = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
-        if eos_token_ids and pad_token_id is not None and pad_token_id not in eos_token_ids and len(generated) > 1:
-            trailing_padding = (generated == pad_token_id).flip(-1).long().cumprod(-1).flip(-1).bool()
-            real &= ~trailing_padding
-        real = real.to(device)
+        real = torch.arange(generated.shape[1], device=device) < lengths.to(device)[:, None]
         fed = generated.shape[1] - 1
         split = rows.turn_mask.shape[1] - fed
         kept, last = rows.turn_mask[:, :split], rows.turn_mask[:, split:]

@@ -24,7 +24,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 from transformers import DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
-from transformers.generation import GenerationMode
+from transformers.generation import GenerationMode, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import stopping_criteria as transformers_criteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -765,6 +766,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 )
             num_sequences = settings.num_return_sequences or 1
             expand = max(settings.num_beams or 1, num_sequences)
+            # Rows finished before the others are padded, with ids a reply may hold too: each row's reply length is
+            # taken from generate() itself, the step its stopping criteria first stopped it (or its returned beam's).
+            # (A stream holds every token; several sequences per row are not written to the cache.)
+            finished = None
+            if not cache.runs_last_generated_token and num_sequences == 1:
+                if expand == 1:
+                    finished, kwargs["stopping_criteria"] = self._finished_rows(settings, kwargs, prompt.device)
+                else:
+                    kwargs["return_dict_in_generate"] = True  # for the returned beams' indices
             with self._gate.scope(), self._unchanged_since(state, "generate()"):
                 run_cache = cache
                 if expand > 1:  # generate() expands the inputs, not a given cache
@@ -806,20 +816,37 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         **{CACHE_ARGUMENT: cache},
                     )
                     return output
-                if expand > 1:  # beam search: the turn of the returned beam goes into the user's cache
-                    self.base_model(
-                        **self._followed_by(name, prompt, generated[:, :-1]),
-                        attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
-                        logits_to_keep=1,
-                        **{CACHE_ARGUMENT: cache},
-                    )
-                eos = settings.eos_token_id
-                cache.end_generation(
-                    generated,
-                    [] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                    settings.pad_token_id,
+                if finished is not None:
+                    cache.end_generation(generated, finished.reply_lengths(generated))
+                    return output
+                # beam search: the turn of the returned beam goes into the user's cache. With neither a pad nor an
+                # EOS id, transformers pads a beam that ended before the others with -1, which no embedding takes;
+                # the padding is masked, so any id does.
+                generated = generated.clamp(min=0)
+                self.base_model(
+                    **self._followed_by(name, prompt, generated[:, :-1]),
+                    attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
+                    logits_to_keep=1,
+                    **{CACHE_ARGUMENT: cache},
                 )
-        return output
+                # A beam's indices are -1 after its end
+                cache.end_generation(generated, (output.beam_indices >= 0).sum(-1))
+                return output if settings.return_dict_in_generate else sequences
+
+    def _finished_rows(
+        self, settings: GenerationConfig, kwargs: dict[str, Any], device: torch.device
+    ) -> tuple[_FinishedRows, StoppingCriteriaList]:
+        """A criterion that runs the stopping criteria `generate()` runs with `settings` and the `stopping_criteria`
+        in `kwargs`, recording when each row finished; and the list to give `generate()` in place of those given."""
+        given = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        special = copy.deepcopy(settings)  # transformers sets its special token tensors in place
+        # Those stop every row at once, which needs no record; and max_length is not yet the call's (max_new_tokens).
+        special.max_length = special.max_time = None
+        self.base_model._prepare_special_tokens(special, device=device)
+        finished = _FinishedRows(self.base_model._get_stopping_criteria(special, given, kwargs.get("tokenizer")))
+        # transformers adds its own criteria to those given, but takes a given one of its classes in place of its own
+        own = [criterion for criterion in given if type(criterion).__module__ == transformers_criteria.__name__]
+        return finished, StoppingCriteriaList([finished, *own])
 
     def _followed_by(self, name: str, prompt: torch.Tensor, generated: torch.Tensor) -> dict[str, torch.Tensor]:
         """The forward argument for `prompt` (`name`: `(batch, len)` input_ids or `(batch, len, hidden)`
@@ -1301,6 +1328,32 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Print the trainable and total parameter counts, as PEFT's `PeftModel` does."""
         trainable, total = self.get_nb_trainable_parameters()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
+
+
+class _FinishedRows(StoppingCriteria):
+    """Runs `criteria` and records, per row, the reply length at which they first stopped it (transformers keeps a
+    row stopped once they did)."""
+
+    def __init__(self, criteria: StoppingCriteriaList) -> None:
+        self.criteria = criteria
+        self.steps = 0
+        self.lengths: torch.Tensor | None = None  # (batch,), 0 for a row still running
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        """`(batch,)` bool, whether `criteria` stop each row of `input_ids` `(batch, len)` now."""
+        done = self.criteria(input_ids, scores, **kwargs)
+        self.steps += 1
+        lengths = torch.zeros_like(done, dtype=torch.long) if self.lengths is None else self.lengths
+        self.lengths = torch.where((lengths == 0) & done, self.steps, lengths)
+        return done
+
+    def reply_lengths(self, generated: torch.Tensor) -> torch.Tensor:
+        """`(batch,)` each row's reply length in `generated` `(batch, new)`: all of it for a row never stopped, or
+        stopped with the others by max_length or max_time."""
+        new = generated.shape[1]
+        if self.lengths is None:  # no token generated
+            return torch.full(generated.shape[:1], new, device=generated.device)
+        return torch.where(self.lengths == 0, new, self.lengths.clamp(max=new))
 
 
 class _EndingStreamer(BaseStreamer):
