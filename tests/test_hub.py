@@ -24,6 +24,7 @@ from peft import LoraConfig
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from crafted_files import with_huge_tensor
 from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
@@ -858,6 +859,24 @@ def test_any_value_in_adapter_config_loads_the_same_adapter_or_is_refused_naming
         assert all(torch.equal(v, target.state_dict()[k]) for k, v in saved_weights.items())
 
 
+def test_a_base_models_weights_given_as_adapter_weights_are_refused_from_their_header(tmp_path):
+    """A base model's model.safetensors put in an adapter's folder was read whole (gigabytes on a real model; 1 TiB
+    here, which no allocation holds) before it was refused: its header already names no CCM adapter's tensors."""
+    tiny_base("llama").save_pretrained(tmp_path / "base")
+    _adapter(None).save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    with_huge_tensor(tmp_path / "base" / "model.safetensors", weights, "model.embed_tokens.weight", (2**22, 2**16))
+    assert os.path.getsize(weights) > 2**40
+    named = r"adapter_model\.safetensors has no ccm\.comp_embeddings: not a CCM adapter file"
+    with pytest.raises(ValueError, match=named):
+        CCMForCausalLM.from_pretrained(tmp_path / "adapter")
+    target = _adapter(None, seed=9)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=named):
+        target.load_adapter(tmp_path / "adapter")
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
 def test_weights_that_do_not_fit_change_nothing(tmp_path):
     model = _adapter(None)
     model.save_pretrained(tmp_path / "adapter")
@@ -1226,15 +1245,15 @@ def test_weights_replaced_while_an_adapter_is_read_are_read_whole_with_their_man
     shutil.copytree(tmp_path / "earlier", folder)
     for name in ADAPTER_FILES - {"adapter_model.safetensors"}:  # the save's swap so far
         shutil.copy(tmp_path / "new" / name, folder / name)
-    weights, read_bytes = folder / "adapter_model.safetensors", Path.read_bytes
+    weights, open_path = folder / "adapter_model.safetensors", Path.open
 
-    def replaced_then_read(path: Path) -> bytes:
+    def replaced_then_opened(path: Path, *args, **kwargs):
         if path == weights and not weights.samefile(tmp_path / "new" / weights.name):
             os.link(tmp_path / "new" / weights.name, tmp_path / "staged")
             os.replace(tmp_path / "staged", weights)  # the save's last rename
-        return read_bytes(path)
+        return open_path(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", replaced_then_read)
+    monkeypatch.setattr(Path, "open", replaced_then_opened)
     _, tensors = hub_module.read_adapter(folder)
     with safe_open(tmp_path / "new" / weights.name, framework="pt") as new:
         assert tensors.keys() == {key.removeprefix(hub_module.PEFT_PREFIX) for key in new.keys()}  # noqa: SIM118

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crafted_files import with_huge_tensor
 from fault_injection import ValuesRead
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
@@ -752,31 +753,6 @@ def _count_device_reads(cache: CompressedMemoryCache) -> list[tuple[int, int]]:
     return reads
 
 
-def _with_huge_tensor(source, target, name, shape):
-    """Write `target`: the safetensors file `source` with tensor `name` declared `shape` (float32, zeros; last in the
-    data, which the file holds as a hole, so it takes no disk)."""
-    raw = source.read_bytes()
-    length = int.from_bytes(raw[:8], "little")
-    header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
-    parts, offset = {}, 0
-    for key, entry in sorted(header.items()):
-        if key == "__metadata__" or key == name:
-            continue
-        start, end = entry["data_offsets"]
-        parts[key] = dict(entry, data_offsets=[offset, offset + end - start])
-        offset += end - start
-    size = 4 * int(torch.Size(shape).numel())
-    parts[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
-    text = json.dumps({"__metadata__": header["__metadata__"], **parts}).encode()
-    text += b" " * (-len(text) % 8)
-    with open(target, "wb") as file:
-        file.write(len(text).to_bytes(8, "little") + text)
-        for key, entry in sorted(header.items()):
-            if key not in ("__metadata__", name):
-                file.write(data[entry["data_offsets"][0] : entry["data_offsets"][1]])
-        file.truncate(file.tell() + size)
-
-
 @pytest.mark.parametrize("other", [True, False])
 def test_a_file_declaring_a_huge_tensor_is_refused_from_its_header(tmp_path, other):
     """Every tensor was read before the signature and shapes were checked: a file of another model, or one whose
@@ -787,7 +763,7 @@ def test_a_file_declaring_a_huge_tensor_is_refused_from_its_header(tmp_path, oth
     expected = "model_type: file 'qwen2' vs model 'llama'" if other else "'layers.0.keys' is torch.float32 of shape"
     keys = model.cache_spec()
     shape = (2, keys.kv_heads, 2**40 // (4 * 2 * keys.kv_heads * keys.head_dim), keys.head_dim)
-    _with_huge_tensor(tmp_path / "user.safetensors", tmp_path / "huge.safetensors", "layers.0.keys", shape)
+    with_huge_tensor(tmp_path / "user.safetensors", tmp_path / "huge.safetensors", "layers.0.keys", shape)
     assert os.path.getsize(tmp_path / "huge.safetensors") > 2**40
     with pytest.raises(ValueError, match=re.escape(expected)):
         CompressedMemoryCache.load(tmp_path / "huge.safetensors", model)

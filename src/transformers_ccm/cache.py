@@ -32,11 +32,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import _TYPES as SAFETENSORS_DTYPES  # its names of torch's dtypes
 from safetensors.torch import load, save_file
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -44,6 +43,7 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.files import checked_path, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
+from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 from transformers_ccm.validation import is_index, is_int, positive_int
 
@@ -1304,7 +1304,9 @@ class CompressedMemoryCache(Cache):
             with open(path, "rb") as file:
                 # The header first (signature, names, dtypes, shapes): a file of another model, or one that declares
                 # tensors of any other size, is refused before any of its data is read or mapped.
-                metadata, declared, spans = _safetensors_header(file, path)
+                metadata, declared, spans = safetensors_header(
+                    file, f"{path} is not a readable safetensors memory file", "save the memory again."
+                )
                 content = _MemoryFile(path, metadata, declared, spec)
                 _check_spans(declared, spans, path)
                 file.seek(0)
@@ -1335,75 +1337,7 @@ class CompressedMemoryCache(Cache):
         return cache
 
 
-# safetensors' own bound on a header's length: a longer one is no file it wrote, and reading it would take that memory.
-_MOST_HEADER_BYTES = 100_000_000
-
-
-class _Declared(NamedTuple):
-    """A tensor as a safetensors header declares it, known without reading its data."""
-
-    dtype: torch.dtype | str
-    shape: torch.Size
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-
-def _safetensors_header(
-    file: BinaryIO, path: str
-) -> tuple[dict[str, str], dict[str, _Declared], dict[str, tuple[int, int]]]:
-    """The metadata, the declared tensors and the byte range of each tensor's data (from the data's start) of the
-    safetensors file open as `file`, read from its header only. The ranges are checked to cover the file's data
-    exactly, in order, as safetensors checks them only once the whole file is read."""
-    unreadable = f"{path} is not a readable safetensors memory file"
-    file_bytes = os.fstat(file.fileno()).st_size
-    prefix = file.read(8)
-    size = int.from_bytes(prefix, "little")
-    if len(prefix) < 8 or size > _MOST_HEADER_BYTES:
-        raise ValueError(f"{unreadable} (it begins with no safetensors header length: {size} bytes).")
-    if 8 + size > file_bytes:
-        raise ValueError(f"{unreadable} (its header of {size} bytes passes the end of the file, {file_bytes} bytes).")
-    header = parse_json_object(file.read(size), f"{unreadable}: its header", "save the memory again.")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
-        raise ValueError(f"{unreadable} (its metadata is not a map of strings).")
-    try:
-        # A dtype torch cannot hold stays its name: no expected dtype equals it.
-        declared = {
-            name: _Declared(SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), torch.Size(entry["shape"]))
-            for name, entry in header.items()
-        }
-        spans = {name: _byte_range(entry["data_offsets"]) for name, entry in header.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise ValueError(f"{unreadable} (a tensor's entry in its header is wrong: {error!r}).") from None
-    end = 0
-    for name, (start, stop) in sorted(spans.items(), key=lambda item: item[1]):
-        if start != end:
-            raise ValueError(
-                f"{unreadable} (the data of '{name}' begins at byte {start}, not where the last ended, {end})."
-            )
-        end = stop
-    if 8 + size + end != file_bytes:
-        raise ValueError(
-            f"{unreadable} (its header declares {end} bytes of data, the file holds {file_bytes - 8 - size})."
-        )
-    return metadata, declared, spans
-
-
-def _byte_range(offsets: Any) -> tuple[int, int]:
-    """The `[start, end)` byte range of a header's `data_offsets`, two whole numbers in order."""
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(offset, int) and not isinstance(offset, bool) for offset in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise ValueError(f"data_offsets {offsets!r} are not two whole numbers, start <= end")
-    return offsets[0], offsets[1]
-
-
-def _check_spans(declared: dict[str, _Declared], spans: dict[str, tuple[int, int]], path: str) -> None:
+def _check_spans(declared: dict[str, DeclaredTensor], spans: dict[str, tuple[int, int]], path: str) -> None:
     """Raise unless each tensor's data takes the bytes its dtype and shape do (`_MemoryFile` has checked both): the
     file is then no larger than the memory it declares, before any of it is read."""
     for name, (dtype, shape) in declared.items():
@@ -1420,7 +1354,9 @@ class _MemoryFile:
     """The checked content of a memory file, before anything is built: `__init__` checks the header (format,
     signature, the name, dtype and shape of every tensor), `read` the values of the tensors it declares."""
 
-    def __init__(self, path: str, metadata: dict[str, str], declared: dict[str, _Declared], spec: CacheSpec) -> None:
+    def __init__(
+        self, path: str, metadata: dict[str, str], declared: dict[str, DeclaredTensor], spec: CacheSpec
+    ) -> None:
         # The declared tensors until `read` gives their values: every check before it needs only dtypes and shapes.
         self.path, self.tensors, self.spec = path, declared, spec
         header = self._header(metadata)
@@ -1460,7 +1396,7 @@ class _MemoryFile:
     def read(self, tensors: dict[str, torch.Tensor]) -> None:
         """Check the values of `tensors`, the file's tensors as `__init__` checked them declared."""
         declared, self.tensors = self.tensors, tensors
-        if {name: _Declared(tensor.dtype, tensor.shape) for name, tensor in tensors.items()} != declared:
+        if {name: DeclaredTensor(tensor.dtype, tensor.shape) for name, tensor in tensors.items()} != declared:
             # Written in place between the header's checks and the read of the data.
             raise ValueError(f"{self.path} changed while it was read; load it again.")
         for name, tensor in tensors.items():

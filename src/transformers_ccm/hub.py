@@ -34,6 +34,7 @@ from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
 from transformers_ccm.files import checked_path, folder_lock, made_folder, replace_files
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
+from transformers_ccm.safetensors_header import safetensors_header
 from transformers_ccm.validation import is_int
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -276,18 +277,32 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
                     f"{folder} has {CONFIG_NAME} but no {name}; the adapter is incomplete (a save or a download "
                     "cut short): save it again, or download it again (online, without HF_HUB_OFFLINE)."
                 )
-        files[ADAPTER_WEIGHTS_NAME] = (folder / ADAPTER_WEIGHTS_NAME).read_bytes()
+        files[ADAPTER_WEIGHTS_NAME] = _read_weights(folder / ADAPTER_WEIGHTS_NAME)
     tensors = _read_tensors(folder / ADAPTER_WEIGHTS_NAME, files[ADAPTER_WEIGHTS_NAME])
     _check_manifest(folder, files)
     config = CCMConfig.from_json_bytes(files[CONFIG_NAME], str(folder / CONFIG_NAME))
     peft_config = parse_json_object(
         files[ADAPTER_CONFIG_NAME], str(folder / ADAPTER_CONFIG_NAME), "save or download it again."
     )
-    if COMP_EMBEDDINGS_KEY not in tensors:
-        raise ValueError(f"{folder / ADAPTER_WEIGHTS_NAME} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file.")
     _check_values(folder / ADAPTER_WEIGHTS_NAME, tensors)
     _check_files_agree(folder, config, peft_config, tensors)
     return config, {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+
+def _read_weights(path: Path) -> bytes:
+    """The bytes of the adapter weights file at `path`, read once its header names a CCM adapter's tensors: a file of
+    other weights (a base model's, gigabytes) was read whole before it was refused."""
+    with path.open("rb") as file:
+        _, declared, _ = safetensors_header(
+            file, f"{path.parent} has a corrupt adapter file ({path.name})", "save or download the adapter again."
+        )
+        if COMP_EMBEDDINGS_KEY not in declared:
+            raise ValueError(
+                f"{path} has no {COMP_EMBEDDINGS_KEY}: not a CCM adapter file (its tensors include "
+                f"{sorted(declared)[:3]}). Give the folder that a CCM model's save_pretrained() wrote."
+            )
+        file.seek(0)
+        return file.read()
 
 
 def _read_tensors(path: Path, content: bytes) -> dict[str, torch.Tensor]:
