@@ -177,15 +177,44 @@ def test_the_model_card_links_and_loads_the_base_model_as_it_can(tmp_path, base)
         tiny_base("llama").save_pretrained(base_path)
     _adapter(base_path).save_pretrained(tmp_path / "adapter")
     card = (tmp_path / "adapter" / "README.md").read_text()
-    (snippet,) = re.findall(r"```python\n(.*?)```", card, re.S)
-    ast.parse(snippet)
-    load = next(line for line in snippet.splitlines() if "from_pretrained(" in line)
+    arguments = _card_load_arguments(card)
     links = re.findall(r"https://huggingface\.co/[^)\s]*", card)
     if base == "acme/tiny-llama":
-        assert links == ["https://huggingface.co/acme/tiny-llama"] and "base_model=" not in load
+        assert links == ["https://huggingface.co/acme/tiny-llama"] and arguments == [str(tmp_path / "adapter")]
     else:
         assert links == [] and "base_model: " not in card
-        assert f'base_model="{base_path or "path-or-hub-id"}"' in load
+        assert arguments == [str(tmp_path / "adapter"), ("base_model", base_path or "path-or-hub-id")]
+
+
+def _card_load_arguments(card):
+    """The arguments of the model card's `from_pretrained(...)` call, as Python reads its snippet: literals, and
+    keyword arguments as (name, literal)."""
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, re.S)
+    call = next(
+        node
+        for node in ast.walk(ast.parse(snippet))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained"
+    )
+    return [ast.literal_eval(arg) for arg in call.args] + [
+        (keyword.arg, ast.literal_eval(keyword.value)) for keyword in call.keywords
+    ]
+
+
+_NAME_CHARACTERS = st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.text(_NAME_CHARACTERS, min_size=1, max_size=8).filter(lambda name: name not in (".", "..")),
+    base=st.text(st.sampled_from("ab\"'\\\n/ é"), min_size=1, max_size=8).map(lambda name: f"/models/{name}"),
+)
+def test_the_model_card_loads_the_exact_paths_whatever_their_characters(tmp_path, name, base):
+    """A folder or base model path with a quote, a backslash or a newline ended the snippet's string literal early:
+    the card's Python was invalid, or loaded another path."""
+    folder = tmp_path / f'{name}"\\\n'
+    _adapter(base).save_pretrained(folder)
+    card = (folder / "README.md").read_text()
+    assert _card_load_arguments(card) == [str(folder), ("base_model", base)]
 
 
 def test_load_with_a_given_base_model(tmp_path):
@@ -435,7 +464,7 @@ def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypa
     _adapter("acme/tiny-llama").push_to_hub("tiny-ccm")
     (create, upload, _) = FakeHfApi.calls
     assert create[1] == "tiny-ccm" and upload[1] == "me/tiny-ccm"
-    assert 'from_pretrained("me/tiny-ccm")' in uploaded["card"]
+    assert _card_load_arguments(uploaded["card"]) == ["me/tiny-ccm"]
 
 
 def test_a_pushed_adapter_loads_back_whole_and_a_failed_upload_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -143,18 +143,19 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     on_hub = base is not None and not os.path.exists(base) and _is_repo_id(base)
     # A base the adapter does not name, or a folder of the machine that saved it, has no Hub page to link to, and
     # from_pretrained cannot find it elsewhere by itself: the card says to pass it (it linked huggingface.co/unknown).
+    # The snippet's arguments are Python literals (repr): a path with a quote, a backslash or a newline broke it.
     if on_hub:
         described, arguments, comment = (
             f"[{base}](https://huggingface.co/{base})",
-            f'"{repo_id}"',
+            repr(repo_id),
             "loads the base model too",
         )
     elif base is None:
-        described, arguments = "a base model it does not record", f'"{repo_id}", base_model="path-or-hub-id"'
+        described, arguments = "a base model it does not record", f"{repo_id!r}, base_model='path-or-hub-id'"
         comment = "give the base model's folder or Hub id"
     else:
         described = f"`{base}` (a folder on the machine that saved the adapter)"
-        arguments = f'"{repo_id}", base_model="{base}"'
+        arguments = f"{repo_id!r}, base_model={base!r}"
         comment = "the base model's folder or Hub id here"
     card_data = ModelCardData(
         base_model=base if on_hub else None,
