@@ -1328,3 +1328,13 @@ def test_the_wrapped_base_saves_its_own_weights(tmp_path_factory, architecture, 
         assert torch.equal(reloaded.eval()(PROMPT).logits, expected_logits)
     for got_answer, expected_answer in zip(_answer(model), before, strict=True):  # the model itself is untouched
         assert torch.equal(got_answer, expected_answer)
+
+
+def test_the_wrapped_base_refuses_a_distributed_checkpoint_and_writes_nothing(tmp_path):
+    """`base.save_pretrained(folder, distributed_checkpoint=True)` ignores the state_dict the wrapped base saves:
+    transformers writes the modules, LoRA included (on a model not sharded it failed after writing config.json)."""
+    base = tiny_base("llama")
+    CCMForCausalLM.from_base(base, CCMConfig())
+    with pytest.raises(ValueError, match=r"distributed_checkpoint=True\) on a base model wrapped by a CCM model"):
+        base.save_pretrained(tmp_path / "base", distributed_checkpoint=True)
+    assert not (tmp_path / "base").exists()

@@ -1645,6 +1645,14 @@ def _save_base_weights(base_model: PreTrainedModel, *args: Any, **kwargs: Any) -
     """`base_model.save_pretrained(...)` while wrapped: its base weights under their own names, the LoRA left out (it
     is the adapter's, which `CCMForCausalLM.save_pretrained` saves)."""
     call = inspect.signature(type(base_model).save_pretrained).bind(base_model, *args, **kwargs)
+    if call.arguments.get("distributed_checkpoint"):
+        # transformers writes that checkpoint from the modules themselves, LoRA included, whatever the state_dict
+        # (and on a model not sharded it fails after writing config.json).
+        raise ValueError(
+            "save_pretrained(distributed_checkpoint=True) on a base model wrapped by a CCM model would save the LoRA "
+            "layers with the base weights. Save the base without distributed_checkpoint (its weights are gathered "
+            "on one process), and the adapter with the CCM model's save_pretrained()."
+        )
     given = call.arguments.get("state_dict")
     call.arguments["state_dict"] = without_lora(base_model, base_model.state_dict() if given is None else given)
     return type(base_model).save_pretrained(*call.args, **call.kwargs)
