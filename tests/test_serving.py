@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import pickle
 import re
 import threading
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
+from test_online import Collect
 from tiny_models import (
     VOCAB,
     InjectedFailure,
@@ -1561,6 +1563,41 @@ def test_gpt2_history_past_its_positions_is_refused_with_the_fix():
         for _ in range(200):
             model.compress(cache, torch.tensor([list(range(3, 60))]))
     model.compress(cache, torch.tensor([[5, 6]]))  # the failed call left a usable cache
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    memory=st.lists(st.integers(460, 505), min_size=1, max_size=2),
+    prompt=st.integers(1, 6),
+    new=st.integers(1, 30),
+)
+def test_a_gpt2_reply_that_would_pass_its_positions_is_refused_before_generating(
+    memory: list[int], prompt: int, new: int
+) -> None:
+    """On learned absolute positions, a reply that ran past them failed part way through generate(), after streaming
+    tokens, saying to start a new cache; one that ended within them could not be folded (the <COMP> tokens passed
+    them), and the cache was stuck: generate() asked for that fold. Prompt, reply and fold are now checked first."""
+    model = tiny_ccm("gpt2")
+    cache, longest = model.new_cache(len(memory)), max(memory)
+    context = (torch.arange(longest) % 90 + 3).repeat(len(memory), 1)
+    model.compress(cache, context, attention_mask=torch.tensor([[0] * (longest - m) + [1] * m for m in memory]))
+    before, streamer = snapshot(cache), Collect()
+    reached = max(memory) + prompt + new + model.config.num_comp_tokens - 1
+    ids = torch.full((len(memory), prompt), 7)
+    generate = functools.partial(
+        model.generate, ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, streamer=streamer
+    )
+    if reached < 512:
+        assert generate().shape[1] == prompt + new
+        model.compress(cache)
+        assert cache.next_position.tolist() == [m + prompt + new for m in memory]
+        return
+    most = 512 - (reached - new + 1)
+    fix = f"give max_new_tokens={most} or less" if most > 0 else "shorten the prompt, or start a new cache"
+    with pytest.raises(ValueError, match=rf"would reach position {reached}, past the model's 512 positions.*; {fix}"):
+        generate()
+    assert_same(snapshot(cache), before)
+    assert streamer.tokens == ["end"]  # nothing ran
 
 
 def short_and_long_twins() -> tuple[CCMForCausalLM, CCMForCausalLM]:

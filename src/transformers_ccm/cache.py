@@ -848,6 +848,31 @@ class CompressedMemoryCache(Cache):
         """Whether a forward of `new` tokens that see every held position may go without an attention mask."""
         return sdpa and self.spec.sliding_window is None and new == 1
 
+    def check_reply_room(self, prompt_counts: torch.Tensor, max_new_tokens: int) -> None:
+        """Raise unless each row's prompt of `prompt_counts` `(batch,)` tokens, a reply of up to `max_new_tokens` and
+        its compression fit the model's positions, where they cannot be re-based: generate() failed part way through,
+        or the reply ended where it could not be folded, and the cache was stuck (generate() asks for that fold)."""
+        if self.max_positions is None or self.spec.rebase_rotation is not None or self.streaming is not None:
+            return
+        # generate() runs the prompt and every generated token but the last; compress runs that one and the <COMP>s.
+        positions = self.rows.next_position
+        before_reply = positions + prompt_counts.to(positions.device) + self.config.num_comp_tokens
+        end = int(before_reply.max()) + max_new_tokens
+        if end <= self.max_positions:
+            return
+        most = self.max_positions - int(before_reply.max())
+        fix = (
+            f"give max_new_tokens={most} or less"
+            if most > 0
+            else "shorten the prompt, or start a new cache for this user"
+        )
+        raise ValueError(
+            f"A prompt of {prompt_counts.tolist()} token(s) after this memory (next positions "
+            f"{positions.tolist()}), a reply of up to {max_new_tokens} tokens and its compression "
+            f"({self.config.num_comp_tokens} <COMP> tokens) would reach position {end - 1}, past the model's "
+            f"{self.max_positions} positions, which cannot be moved ({_FIXED_POSITIONS}); {fix}."
+        )
+
     def _fit_positions(self, counts: torch.Tensor) -> None:
         """Re-base rows whose next positions would pass the model's maximum (rotary models: exact, since
         attention depends on relative positions only); refuse where positions cannot move."""

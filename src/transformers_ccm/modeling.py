@@ -766,6 +766,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 )
             num_sequences = settings.num_return_sequences or 1
             expand = max(settings.num_beams or 1, num_sequences)
+            longest = settings.max_new_tokens
+            cache.check_reply_room(
+                attention_mask.sum(-1), settings.max_length - prompt.shape[1] if longest is None else longest
+            )
             # Rows finished before the others are padded, with ids a reply may hold too: each row's reply length is
             # taken from generate() itself, the step its stopping criteria first stopped it (or its returned beam's).
             # (A stream holds every token; several sequences per row are not written to the cache.)
