@@ -199,6 +199,59 @@ def test_a_generate_during_which_another_thread_changes_its_generation_config_is
         assert_same(snapshot(cache), snapshot(alone))
 
 
+class _Opaque:
+    """A setting that compares by identity alone (it has no `__eq__`), as most objects do."""
+
+
+# name: (a setting of the model's generation_config, another setting that decodes the same)
+UNCOMPARABLE_SETTINGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "eos ids in a tensor": ({"eos_token_id": torch.tensor([2, 58])}, {"eos_token_id": [2, 58]}),
+    "an object without equality": ({"serving_note": _Opaque()}, {}),
+}
+
+
+@pytest.mark.parametrize("call", sorted(GENERATE_CALLS))
+@pytest.mark.parametrize("setting", sorted(UNCOMPARABLE_SETTINGS))
+def test_generate_takes_settings_that_do_not_compare_as_values(call, setting):
+    """generate() compared the model's generation_config before and after decoding through `==` on copies: every call
+    on a config holding eos ids in a tensor (which transformers takes) failed with torch's "Boolean value of Tensor
+    with more than one value is ambiguous", and one holding any object without `__eq__` was refused as changed by
+    another thread. Both now decode as the equal settings do; a change in place is still seen (below)."""
+    model = _model()
+    original = copy.deepcopy(model.generation_config)
+    given, same = UNCOMPARABLE_SETTINGS[setting]
+    try:
+        _set_generation_config(model, **same)
+        cache = _cache(model, streaming=False)
+        expected = GENERATE_CALLS[call](model, cache)
+        model.compress(cache)
+        model.generation_config = copy.deepcopy(original)
+        _set_generation_config(model, **given)
+        alone = _cache(model, streaming=False)
+        assert_same(GENERATE_CALLS[call](model, alone), expected)
+        model.compress(alone)
+    finally:
+        model.generation_config = original
+    assert_same(snapshot(alone), snapshot(cache))
+
+
+def test_a_generate_during_which_a_setting_changes_in_place_is_refused():
+    """A list of the model's generation_config extended in place by another thread while generate() decodes (an EOS
+    id added) decoded the reply with settings other than those the call checked."""
+    model = _model()
+    original = copy.deepcopy(model.generation_config)
+    cache = _cache(model, streaming=False)
+    before = snapshot(cache)
+    try:
+        model.generation_config.eos_token_id = [2]
+        with _changed_in_another_thread(model, [lambda: model.generation_config.eos_token_id.append(58)], LAYERS + 1):
+            got = outcome(functools.partial(GENERATE_CALLS["greedy"], model, cache))
+    finally:
+        model.generation_config = original
+    assert got[0] == "error" and "generation_config was changed or replaced" in got[1][1], got
+    assert_same(snapshot(cache), before)
+
+
 GRAD_MODES: dict[str, Callable[[], AbstractContextManager[Any]]] = {
     "no_grad": torch.no_grad,
     "inference_mode": torch.inference_mode,

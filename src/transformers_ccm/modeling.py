@@ -731,7 +731,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             # checked for after it.
             if kwargs.get("generation_config") is not None:
                 kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-            seen = self.generation_config.to_dict()
+            seen = _settings_seen(self.generation_config)
             _check_token_counts(kwargs, kwargs.get("generation_config") or self.generation_config)
             settings = self._generation_settings(kwargs)
             if settings.get_generation_mode(kwargs.get("assistant_model")) == GenerationMode.ASSISTED_GENERATION:
@@ -794,7 +794,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         **{CACHE_ARGUMENT: run_cache},
                         **kwargs,
                     )
-                if self.generation_config.to_dict() != seen:
+                if _settings_changed(self.generation_config, seen):
                     raise ValueError(
                         "model.generation_config was changed or replaced (in another thread) while generate() ran, so "
                         "the reply was decoded with other settings than the ones generate() checked and ends the turn "
@@ -1671,6 +1671,35 @@ def _zero_loss_without_labels(
     zero gradients (still a graph, so backward runs). With `num_items_in_batch` the loss is a sum, 0 already."""
     if labels is not None and num_items_in_batch is None and not (labels[:, 1:] != IGNORE_INDEX).any():
         output.loss = output.logits.sum() * 0.0
+
+
+def _settings_seen(config: GenerationConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`config`'s settings as `to_dict` gives them (a deep copy), and the objects it holds, for `_settings_changed`."""
+    return config.to_dict(), dict(config.__dict__)
+
+
+def _settings_changed(config: GenerationConfig, seen: tuple[dict[str, Any], dict[str, Any]]) -> bool:
+    """Whether `config` (the same object or one that replaced it) holds other settings than `seen`
+    (`_settings_seen`): a setting differs unless it equals its copy, or it is the object seen and no container (a
+    list, say) that could have changed in place. Tensors compare by their values; objects without `__eq__`, whose
+    copies never equal them, by identity."""
+    copies, objects = seen
+    now = config.to_dict()
+    if now.keys() != copies.keys():
+        return True
+    for name, value in now.items():
+        held = config.__dict__.get(name)
+        if not _equal(value, copies[name]) and (held is not objects.get(name) or isinstance(held, (list, dict, set))):
+            return True
+    return False
+
+
+def _equal(first: Any, second: Any) -> bool:
+    """`first == second`, tensors by their values; False where the two cannot be compared."""
+    try:
+        return bool(first == second)
+    except (RuntimeError, ValueError):  # tensors (arrays) of several values have no truth value
+        return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and torch.equal(first, second)
 
 
 def _changed_during(call: str) -> ValueError:
