@@ -444,6 +444,15 @@ def _filled(model: CCMForCausalLM, batch: int = 2) -> CompressedMemoryCache:
     return cache
 
 
+def _user_cache(model: CCMForCausalLM, streaming: bool) -> CompressedMemoryCache:
+    """Two users with memory: compressed contexts (`_filled`), or a stream past its first compression."""
+    if not streaming:
+        return _filled(model)
+    cache = model.new_cache(2, StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4))
+    model(input_ids=torch.tensor([list(range(3, 15))] * 2), past_key_values=cache)
+    return cache
+
+
 def _saved_bytes(cache: CompressedMemoryCache, path) -> bytes:
     cache.save(path)
     return path.read_bytes()
@@ -549,16 +558,9 @@ PLAIN_MODEL_CALLS = {
 def test_a_cache_given_to_a_plain_model_is_refused_and_left_as_it_was(tmp_path, call, streaming):
     """The plain base model appended its keys/values to a CompressedMemoryCache without a word: the per-row state did
     not know of them, so the next compress found nothing to fold and later calls attended to keys of no turn."""
-    from transformers_ccm.streaming import StreamingConfig
 
     model = tiny_ccm("llama")
-    if streaming:
-        cache = model.new_cache(
-            2, StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
-        )
-        model(input_ids=torch.tensor([list(range(3, 15))] * 2), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _user_cache(model, streaming)
     untouched = cache.copy()
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
     with pytest.raises(ValueError, match="passed to another model"):
@@ -574,12 +576,7 @@ def test_a_cache_given_to_the_wrapped_base_model_itself_is_refused_and_left_as_i
     claim: it worked while nothing failed, but an interrupt in a layer left the cache half updated (some layers
     holding the new tokens), and another thread's call could interleave with it."""
     model = tiny_ccm("llama")
-    if streaming:
-        stream = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
-        cache = model.new_cache(2, stream)
-        model(input_ids=torch.tensor([list(range(3, 12))] * 2), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _user_cache(model, streaming)
     untouched, before = cache.copy(), snapshot(cache)
     handle = fail_in_layer(model, layer=1, after_calls=0) if fails_in_layer else None
     try:
@@ -1063,12 +1060,7 @@ def test_a_forward_hook_of_the_model_that_fails_leaves_the_cache_as_it_was(failu
     forward hook that raised (or an interrupt while one ran) left the cache holding the call's tokens, though the call
     failed."""
     model = tiny_ccm("llama")
-    if streaming:
-        stream = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
-        cache = model.new_cache(2, stream)
-        model(input_ids=torch.tensor([list(range(3, 12))] * 2), past_key_values=cache)
-    else:
-        cache = _filled(model)
+    cache = _user_cache(model, streaming)
     untouched, before = cache.copy(), snapshot(cache)
 
     def fail(*_: object) -> None:
