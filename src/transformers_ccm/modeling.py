@@ -8,6 +8,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import os
 import threading
 import weakref
@@ -145,6 +146,7 @@ TESTED_MODEL_TYPES = (
     "gpt2",
 )
 
+_TRAINING = operator.attrgetter("training")  # a module's mode
 # Numbers `CCMForCausalLM.train()` calls that change a module's mode (unique, as `_Registrations._ids`).
 _MODE_SWITCHES = itertools.count(1)
 
@@ -1112,8 +1114,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
 
     def _modes(self) -> tuple[bool, ...]:
-        """Every module's `training` flag."""
-        return tuple(module.training for module in self._listing()[2])
+        """Every module's `training` flag (read twice per call, over every module: `map` walks them fastest)."""
+        return tuple(map(_TRAINING, self._listing()[2]))
 
     def _base_config(self) -> dict[str, Any]:
         """`computing_settings` of the base config, read again only after the config (or an entry at any depth of
