@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
@@ -560,6 +561,41 @@ def test_each_row_of_a_batch_folds_the_reply_it_gets_alone(data):
         for layer, single in zip(cache.layers, alone.layers, strict=True):
             torch.testing.assert_close(layer.keys[row : row + 1], single.keys, atol=1e-5, rtol=0)
             torch.testing.assert_close(layer.values[row : row + 1], single.values, atol=1e-5, rtol=0)
+
+
+class EndsAt(EosTokenCriteria):
+    """transformers' EOS criterion under a class of the caller's own (one that logs each stop, say)."""
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_stopping_criterion_with_an_eos_id_pads_the_rows_it_stopped_as_in_transformers(data):
+    """transformers pads a finished row with pad_token_id when any stopping criterion has an `eos_token_id` (an EOS
+    criterion of the caller's own class, too); generate() hid such a criterion inside the one that records when each
+    row stopped, so the rows it stopped went on generating tokens. They are now padded as transformers' own
+    EosTokenCriteria pads them, and fold the same replies."""
+    model = _model_without_special_tokens()
+    batch = data.draw(st.integers(2, 3), label="batch")
+    rows = list(range(batch))
+    cache = model.new_cache(batch)
+    model.compress(cache, _CONTEXTS[rows])
+    free = model.generate(_PROMPTS[rows], past_key_values=cache, max_new_tokens=_NEW)[:, 2:]
+    at = data.draw(st.tuples(st.integers(0, batch - 1), st.integers(0, _NEW - 2)), label="stop at")
+    eos = int(free[at])
+    got = []
+    for criterion in (EndsAt(eos), EosTokenCriteria(eos)):
+        cache = model.new_cache(batch)
+        model.compress(cache, _CONTEXTS[rows])
+        sequences = model.generate(
+            _PROMPTS[rows],
+            past_key_values=cache,
+            max_new_tokens=_NEW,
+            pad_token_id=1,
+            stopping_criteria=StoppingCriteriaList([criterion]),
+        )
+        model.compress(cache)
+        got.append((sequences, snapshot(cache)))
+    assert_same(got[0], got[1])
 
 
 def _forward_inputs(model, path):

@@ -1343,6 +1343,11 @@ class _FinishedRows(StoppingCriteria):
     def __init__(self, criteria: StoppingCriteriaList) -> None:
         self.criteria = criteria
         self.steps = 0
+        # transformers pads the rows that finished when a criterion it runs has an `eos_token_id` (an EOS criterion of
+        # the caller's own class too): this one stands in for those it runs.
+        eos = [criterion.eos_token_id for criterion in criteria if hasattr(criterion, "eos_token_id")]
+        if eos:
+            self.eos_token_id = eos[0]
         self.lengths: torch.Tensor | None = None  # (batch,), 0 for a row still running
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
