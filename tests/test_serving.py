@@ -569,24 +569,38 @@ def test_a_cache_given_to_a_plain_model_is_refused_and_left_as_it_was(tmp_path, 
     assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
 
 
-@settings(max_examples=8, deadline=None)
-@given(call=st.sampled_from(sorted(PLAIN_MODEL_CALLS)), streaming=st.booleans(), fails_in_layer=st.booleans())
-def test_a_cache_given_to_the_wrapped_base_model_itself_is_refused_and_left_as_it_was(call, streaming, fails_in_layer):
+@settings(max_examples=16, deadline=None)
+@given(
+    call=st.sampled_from(sorted(PLAIN_MODEL_CALLS)),
+    streaming=st.booleans(),
+    fails_in_layer=st.booleans(),
+    in_transaction=st.booleans(),
+    whose=st.sampled_from(["its own", "another model's"]),
+)
+def test_a_cache_given_to_the_wrapped_base_model_itself_is_refused_and_left_as_it_was(
+    call, streaming, fails_in_layer, in_transaction, whose
+):
     """`model.base_model(..., past_key_values=cache)` ran the cache through CCM's pre-hook outside any transaction or
     claim: it worked while nothing failed, but an interrupt in a layer left the cache half updated (some layers
-    holding the new tokens), and another thread's call could interleave with it."""
-    model = tiny_ccm("llama")
-    cache = _user_cache(model, streaming)
+    holding the new tokens), and another thread's call could interleave with it. Inside `cache.transaction()` it ran
+    too, without the CCM calls' checks: the base model of another model wrote its keys into the turn, which the
+    cache's own model then folded into its memory."""
+    owner = tiny_ccm("llama")
+    model = owner if whose == "its own" else tiny_ccm("llama", update="merge")
+    cache = _user_cache(owner, streaming)
     untouched, before = cache.copy(), snapshot(cache)
     handle = fail_in_layer(model, layer=1, after_calls=0) if fails_in_layer else None
     try:
-        with pytest.raises(ValueError, match=r"given to the wrapped base model .* Give it to the CCMForCausalLM"):
+        with (
+            pytest.raises(ValueError, match=r"given to the wrapped base model .* Give it to the CCMForCausalLM"),
+            cache.transaction() if in_transaction else contextlib.nullcontext(),
+        ):
             PLAIN_MODEL_CALLS[call](model.base_model, cache)
     finally:
         if handle is not None:
             handle.remove()
     assert_same(snapshot(cache), before, "the cache after the refused call")
-    assert torch.equal(CALLS["generate"](model, cache), CALLS["generate"](model, untouched))
+    assert torch.equal(CALLS["generate"](owner, cache), CALLS["generate"](owner, untouched))
 
 
 def _step_the_adapter(model: CCMForCausalLM, _) -> None:

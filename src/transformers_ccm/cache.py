@@ -485,6 +485,8 @@ class CompressedMemoryCache(Cache):
         self._user: tuple[_Claimant, int] | None = None
         # The model call running on this cache (None: none); see `running`.
         self._call: str | None = None
+        # Whether the base model's forwards may run on the cache (see `forwarding`).
+        self._forwarding = False
         # Whether a stream keeps the autograd graph of its forwards from one call to the next (`end_stream_call`).
         self._keeps_graph = False
 
@@ -644,13 +646,25 @@ class CompressedMemoryCache(Cache):
         anything: a streamer or stopping criterion of `generate()` that folded or extended the turn under the running
         call failed deep inside torch, or left the reply's tokens out of order in the turn.
         """
-        with self.transaction():
+        with self.forwarding():
             self.check_no_call(call)
             self._call = call
             try:
                 yield
             finally:
                 self._call = None
+
+    @contextmanager
+    def forwarding(self) -> Iterator[None]:
+        """A transaction in which the base model's forwards may run on the cache (`check_held`): a model call's
+        (`running`), or `generate()`'s on the expanded copy that beam search runs on, where `running` would refuse
+        the `reorder_cache` of transformers' beam search."""
+        with self.transaction():
+            before, self._forwarding = self._forwarding, True
+            try:
+                yield
+            finally:
+                self._forwarding = before
 
     @contextmanager
     def _claimed(self) -> Iterator[None]:
@@ -697,11 +711,12 @@ class CompressedMemoryCache(Cache):
             )
 
     def check_held(self) -> None:
-        """Raise unless the calling thread or task holds the cache: the base model's forward (its pre-hook that runs
-        the cache) given it directly, not through the `CCMForCausalLM` calls that hold it, ran outside any
-        transaction: a failure (an interrupt) left some layers holding the new tokens, and another thread's call could
-        interleave with it."""
-        if not self._claimed_here():
+        """Raise unless a model call of the calling thread or task holds the cache (`forwarding`): the base model's
+        forward (its pre-hook that runs the cache) given it directly, not through the `CCMForCausalLM` calls, ran
+        outside any transaction (a failure, an interrupt, left some layers holding the new tokens, and another thread's
+        call could interleave with it), or inside a bare `transaction()` without the calls' checks (another model's
+        base model wrote its keys into the turn, which the cache's model then folded into its memory)."""
+        if not self._forwarding or not self._claimed_here():
             raise ValueError(
                 "A CompressedMemoryCache was given to the wrapped base model (model.base_model) itself, which runs it "
                 "without the checks and the transaction of the CCM model's calls (a failure would leave it half "
@@ -1229,7 +1244,7 @@ class CompressedMemoryCache(Cache):
                 twin = type(layer).__new__(type(layer))
                 twin.__dict__.update(layer.__dict__)
                 layers.append(twin)
-            return {**self.__dict__, "_user": None, "_call": None, "layers": layers}
+            return {**self.__dict__, "_user": None, "_call": None, "_forwarding": False, "layers": layers}
 
     # ----- checks ------------------------------------------------------------------------------------------------
     def check_signature(self, signature: dict[str, Any]) -> None:

@@ -789,7 +789,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
                 run_cache.begin_generation()
                 prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
-                with run_cache.transaction():  # held, as the base model's forwards require (the copy is free)
+                with run_cache.forwarding():  # as the base model's forwards require (the copy is free)
                     output = self.base_model.generate(
                         **{key: value for key, value in prompts.items() if value is not None},
                         attention_mask=attention_mask,
