@@ -667,7 +667,13 @@ def _two_users(streaming: bool) -> CompressedMemoryCache:
 
 
 def _generate_and_fold(model: CCMForCausalLM, cache: CompressedMemoryCache) -> None:
+    """A reply folded into memory, after the turn an online forward left (generate() refuses to start on one)."""
+    _fold_turn(model, cache)
     CALLS["generate"](model, cache)
+    _fold_turn(model, cache)
+
+
+def _fold_turn(model: CCMForCausalLM, cache: CompressedMemoryCache) -> None:
     if cache.has_unfolded_turn:  # a stream holds every token itself
         model.compress(cache)
 
