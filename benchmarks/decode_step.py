@@ -53,7 +53,10 @@ def step_cases(model: CCMForCausalLM, kv_length: int) -> dict[str, Callable[[], 
         return model.base_model(input_ids=token, **{CACHE_ARGUMENT: _copy(dynamic)}).logits
 
     def ccm_step() -> torch.Tensor:
-        return model.base_model(input_ids=token, **{CACHE_ARGUMENT: memory.copy()}).logits
+        twin = memory.copy()
+        # Held as generate() holds it around its steps: the base model refuses a cache no model call holds.
+        with twin.forwarding():
+            return model.base_model(input_ids=token, **{CACHE_ARGUMENT: twin}).logits
 
     return {"dynamic_cache": dynamic_step, "ccm": ccm_step}
 
