@@ -49,16 +49,20 @@ def join(thread: threading.Thread) -> None:
 
 
 @contextmanager
-def paused_at(code: CodeType, call: Callable[[], Any]) -> Iterator[dict[str, Any]]:
-    """Run `call()` in a thread that stops where it first enters the function of `code` until the context's body has
-    run; yields what the call gave (`outcome`) under "outcome", filled in once the context ends."""
+def paused_at(code: CodeType, call: Callable[[], Any], entry: int = 1) -> Iterator[dict[str, Any]]:
+    """Run `call()` in a thread that stops where it enters the function of `code` for the `entry`-th time until the
+    context's body has run; yields what the call gave (`outcome`) under "outcome", filled in once the context ends."""
     reached, resume = threading.Event(), threading.Event()
     got: dict[str, Any] = {}
+    entries = 0
 
     def stop_there(frame: Any, event: str, _: Any) -> None:
+        nonlocal entries
         if event == "call" and frame.f_code is code and not reached.is_set():
-            reached.set()
-            resume.wait(JOIN_TIMEOUT)
+            entries += 1
+            if entries == entry:
+                reached.set()
+                resume.wait(JOIN_TIMEOUT)
 
     def run() -> None:
         sys.settrace(stop_there)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from crafted_files import with_huge_tensor
+from fault_injection import paused_at
 from tiny_models import ARCHITECTURES, randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
@@ -160,6 +161,59 @@ def test_a_save_that_fails_midway_keeps_the_adapter_saved_before(tmp_path, monke
     target = _adapter(None, seed=9)
     target.load_adapter(folder)
     assert all(torch.equal(value, earlier.adapter_tensors()[key]) for key, value in target.adapter_tensors().items())
+
+
+def _stepping(model):
+    """An SGD optimizer over `model`'s adapter with a gradient on every weight, to step while a save runs."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
+        parameter.grad = torch.ones_like(parameter)
+    return torch.optim.SGD(trainable, lr=0.5)
+
+
+def _saved_tensors(folder):
+    target = _adapter(None, seed=9)
+    target.load_adapter(folder)
+    return target.adapter_tensors()
+
+
+def test_a_save_holds_the_weights_it_read_though_a_step_follows_before_the_write(tmp_path):
+    """The save writes copies taken in one pass, not the live parameters: an optimizer step in another thread
+    between the read and the write leaves the file with the weights as they were when save_pretrained read them."""
+    model = _adapter(None, seed=1)
+    optimizer = _stepping(model)
+    read = {key: value.clone() for key, value in model.adapter_tensors().items()}
+    folder = tmp_path / "adapter"
+    with paused_at(hub_module.replace_files.__code__, lambda: model.save_pretrained(folder)) as paused:
+        optimizer.step()
+    assert paused["outcome"][0] == "result", paused["outcome"]
+    stepped = model.adapter_tensors()
+    assert all(not torch.equal(stepped[key], value) for key, value in read.items())  # the step moved every weight
+    saved = _saved_tensors(folder)
+    assert saved.keys() == read.keys()
+    assert all(torch.equal(saved[key], value) for key, value in read.items())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_step_while_the_save_reads_the_weights_is_refused_and_writes_nothing(tmp_path, data):
+    """An optimizer step in another thread while the save copies the weights (before any one of them) would leave
+    copies of two states: the save says so and the folder keeps the adapter saved there before."""
+    folder = tmp_path / f"adapter-{data.draw(st.uuids()).hex}"
+    _adapter(None, seed=2).save_pretrained(folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    model = _adapter(None, seed=1)
+    optimizer = _stepping(model)
+    entry = data.draw(st.integers(1, len(model.adapter_tensors())), label="the copy the step comes before")
+    with paused_at(hub_module._cpu_copy.__code__, lambda: model.save_pretrained(folder), entry=entry) as paused:
+        optimizer.step()
+    kind, error = paused["outcome"]
+    assert kind == "error" and error[0] is ValueError, paused["outcome"]
+    assert "changed while they were being saved" in error[1] and "retry the save" in error[1]
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    model.save_pretrained(folder)  # with no step running, the same save goes through
+    saved = _saved_tensors(folder)
+    assert all(torch.equal(saved[key], value) for key, value in model.adapter_tensors().items())
 
 
 def test_hub_card_names_hub_base_model(tmp_path):

@@ -98,8 +98,7 @@ def save_adapter(
     lora_config.revision = config.base_model_revision
     lora_config.task_type = "CAUSAL_LM"
     prefixed = {
-        (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value.detach().contiguous().cpu()
-        for key, value in tensors.items()
+        (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value for key, value in _snapshot(tensors).items()
     }
     if repo_id is None:
         shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
@@ -118,6 +117,29 @@ def save_adapter(
                 folder / MANIFEST_NAME: _write_manifest,
             }
         )
+
+
+def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of `tensors`, all of one state: the weights as they were when the save read them, not
+    the live parameters, which an optimizer step or a load in another thread would change while they are written."""
+    # An in-place write (an optimizer step) bumps a tensor's version, a `.data` swap moves its storage: either
+    # during the pass would leave copies of two states.
+    before = {key: (value._version, value.data_ptr()) for key, value in tensors.items()}
+    copies = {key: _cpu_copy(value) for key, value in tensors.items()}
+    changed = sorted(key for key, value in tensors.items() if (value._version, value.data_ptr()) != before[key])
+    if changed:
+        raise ValueError(
+            f"The adapter weights changed while they were being saved ({', '.join(changed[:4])}"
+            f"{' ...' if len(changed) > 4 else ''}): another thread trained the model or loaded weights into it "
+            "meanwhile, and the file would hold weights of two states. Save while no other thread trains or loads "
+            "into the model, or retry the save; nothing was written."
+        )
+    return copies
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor` on the CPU, sharing no memory with it."""
+    return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
 
 def _write_manifest(path: str) -> None:
