@@ -871,11 +871,11 @@ class CompressedMemoryCache(Cache):
             return
         # generate() runs the prompt and every generated token but the last; compress runs that one and the <COMP>s.
         positions = self.rows.next_position
-        before_reply = positions + prompt_counts.to(positions.device) + self.config.num_comp_tokens
-        end = int(before_reply.max()) + max_new_tokens
+        before_reply = int((positions + prompt_counts.to(positions.device)).max()) + self.config.num_comp_tokens
+        end = before_reply + max_new_tokens
         if end <= self.max_positions:
             return
-        most = self.max_positions - int(before_reply.max())
+        most = self.max_positions - before_reply
         fix = (
             f"give max_new_tokens={most} or less"
             if most > 0
