@@ -1,3 +1,5 @@
+import contextlib
+import copy
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -40,30 +42,64 @@ def test_json_round_trip(tmp_path_factory, n, update, alpha, conditional):
     assert json.loads(Path(path).read_text())["format_version"] == 1
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field", "allowed"),
-    [
-        ({"num_comp_tokens": 0}, "num_comp_tokens", "positive integer"),
-        ({"update": "sum"}, "update", "'concat' | 'merge' | 'ema'"),
-        ({"ema_alpha": 0.0}, "ema_alpha", "(0, 1]"),
-        ({"max_memory_tokens": 1, "num_comp_tokens": 2}, "max_memory_tokens", ">= num_comp_tokens"),
-        ({"max_memory_tokens": 8, "update": "merge"}, "max_memory_tokens", "update='concat' only"),
-        ({"max_memory_tokens": 2**63}, "max_memory_tokens", "< 2**63 (None for no cap)"),
-        ({"r": -1}, "r", "positive integer"),
-        ({"lora_alpha": float("inf")}, "lora_alpha", "positive finite number"),  # its LoRA gave NaN everywhere
-        ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
-        ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
-        ({"target_modules": []}, "target_modules", "non-empty list"),
-        ({"base_model_name_or_path": 5}, "base_model_name_or_path", "None or a string"),
-        ({"base_model_revision": ["main"]}, "base_model_revision", "None or a string"),
-        ({"trained_on": 3}, "trained_on", "None or a string"),
-        ({"base_model_shape": [576]}, "base_model_shape", "object of sizes"),
-    ],
-)
+INVALID = [
+    ({"num_comp_tokens": 0}, "num_comp_tokens", "positive integer"),
+    ({"update": "sum"}, "update", "'concat' | 'merge' | 'ema'"),
+    ({"ema_alpha": 0.0}, "ema_alpha", "(0, 1]"),
+    ({"ema_alpha": float("nan")}, "ema_alpha", "(0, 1]"),
+    ({"ema_alpha": 1.5}, "ema_alpha", "(0, 1]"),
+    ({"ema_alpha": True}, "ema_alpha", "(0, 1]"),
+    ({"max_memory_tokens": 1, "num_comp_tokens": 2}, "max_memory_tokens", ">= num_comp_tokens"),
+    ({"max_memory_tokens": 8, "update": "merge"}, "max_memory_tokens", "update='concat' only"),
+    ({"max_memory_tokens": 2**63}, "max_memory_tokens", "< 2**63 (None for no cap)"),
+    ({"r": -1}, "r", "positive integer"),
+    ({"lora_alpha": float("inf")}, "lora_alpha", "positive finite number"),  # its LoRA gave NaN everywhere
+    ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
+    ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
+    ({"target_modules": []}, "target_modules", "non-empty list"),
+    ({"base_model_name_or_path": 5}, "base_model_name_or_path", "None or a string"),
+    ({"base_model_revision": ["main"]}, "base_model_revision", "None or a string"),
+    ({"trained_on": 3}, "trained_on", "None or a string"),
+    ({"base_model_shape": [576]}, "base_model_shape", "object of sizes"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "allowed"), INVALID)
 def test_invalid_values_name_field_and_allowed_values(kwargs, field, allowed):
     with pytest.raises(ValueError, match=field) as error:
         CCMConfig(**kwargs)
     assert allowed in str(error.value)
+
+
+@pytest.mark.parametrize(("kwargs", "field", "allowed"), INVALID)
+def test_a_field_set_alone_is_checked_and_left_as_it_was(kwargs, field, allowed):
+    """A field set after construction (`model.config.ema_alpha = 2.0`) skipped every check: EMA memory then grew without
+    bound, and an unknown update rule folded as EMA."""
+    config = CCMConfig(**{name: value for name, value in kwargs.items() if name != field})
+    before = copy.deepcopy(config)
+    with pytest.raises(ValueError, match=field) as error:
+        setattr(config, field, kwargs[field])
+    assert allowed in str(error.value)
+    assert config == before
+
+
+SETTINGS = {
+    "num_comp_tokens": st.integers(-1, 4),
+    "update": st.sampled_from(["concat", "merge", "ema", "mean"]),
+    "ema_alpha": st.one_of(st.floats(allow_nan=True), st.integers(-1, 2), st.booleans()),
+    "max_memory_tokens": st.one_of(st.none(), st.integers(-1, 6)),
+    "target_modules": st.one_of(st.none(), st.lists(st.sampled_from(["q_proj", "v_proj"]), max_size=2).map(tuple)),
+}
+
+
+@given(changes=st.lists(st.sampled_from(sorted(SETTINGS)).flatmap(lambda f: st.tuples(st.just(f), SETTINGS[f]))))
+def test_a_config_changed_field_by_field_stays_one_the_constructor_takes(changes):
+    config = CCMConfig()
+    for field, value in changes:
+        with contextlib.suppress(ValueError):
+            setattr(config, field, value)
+        assert CCMConfig(**{f.name: getattr(config, f.name) for f in fields(CCMConfig)}) == config
+    assert config.target_modules is None or isinstance(config.target_modules, list)
 
 
 def test_unknown_format_version(tmp_path):

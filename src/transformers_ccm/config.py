@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,7 +30,7 @@ _LARGEST_CAP = 2**63 - 1
 
 @dataclass
 class CCMConfig:
-    """Settings of a Compressed Context Memory adapter.
+    """Settings of a Compressed Context Memory adapter, checked when made and whenever a field is set.
 
     Args:
         num_comp_tokens: length of the `<COMP>` block appended to every context (paper: 1 to 8).
@@ -100,6 +100,16 @@ class CCMConfig:
             "None or an object of sizes",
             lambda v: v is None or (isinstance(v, dict) and all(isinstance(key, str) for key in v)),
         )
+        # From now on a field set alone is checked too (`__setattr__`).
+        self.__dict__["_checked"] = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set a field as the constructor takes it, checked with the rest of the config (a `ValueError` leaves the
+        config as it was): set unchecked, `model.config.ema_alpha = 2.0` made every EMA memory grow without bound, and
+        `update = "mean"` folded as EMA under a signature that named another rule."""
+        if name in _FIELD_NAMES and self.__dict__.get("_checked", False):
+            value = getattr(replace(self, **{name: value}), name)  # as normalised (target_modules: a list)
+        super().__setattr__(name, value)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready content of `ccm_config.json`, with the format version."""
@@ -164,6 +174,7 @@ class CCMConfig:
 
 
 _check = partial(check_setting, "CCMConfig")
+_FIELD_NAMES = frozenset(field.name for field in fields(CCMConfig))
 
 
 def base_shape(config: PretrainedConfig) -> dict[str, Any]:
