@@ -11,6 +11,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -324,3 +325,56 @@ def test_an_adapter_loaded_under_inference_mode_changes_the_signature():
             model.load_adapter(folder)
     with pytest.raises(ValueError, match="adapter_sha256"):
         CALLS["forward"](model, cache)
+
+
+OTHER_BUILT_VALUES = {
+    "num_comp_tokens": 3,
+    "conditional_lora": False,
+    "r": 4,
+    "lora_alpha": 8.0,
+    "lora_dropout": 0.1,
+    "target_modules": ["q_proj"],
+    "base_model_shape": {"model_type": "llama"},
+}
+
+
+@pytest.mark.parametrize("field", sorted(OTHER_BUILT_VALUES))
+@pytest.mark.parametrize("how", ["field", "config"])
+def test_a_models_config_keeps_the_fields_its_adapter_was_built_with(tmp_path, field, how):
+    """Set on the model's config, a count of <COMP> tokens failed every call inside torch, and conditional_lora=False
+    was saved beside a LoRA trained as conditional, which the adapter then ran at every token once loaded."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    before = copy.deepcopy(model.config)
+    change = {
+        "field": lambda: setattr(model.config, field, OTHER_BUILT_VALUES[field]),
+        "config": lambda: setattr(model, "config", replace(model.config, **{field: OTHER_BUILT_VALUES[field]})),
+    }[how]
+    with pytest.raises(ValueError, match=f"{field}.*CCMForCausalLM.from_base"):
+        change()
+    assert model.config == before
+    model.save_pretrained(tmp_path)
+    loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=tiny_base("llama"))
+    assert loaded.config == model.config
+    caches = [each.new_cache(2) for each in (model, loaded)]
+    for each, cache in zip((model, loaded), caches, strict=True):
+        each.compress(cache, PROMPT)
+    assert torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
+
+
+@settings(max_examples=5)
+@given(alpha=st.floats(0.01, 1.0))
+def test_a_models_ema_coefficient_may_change_and_refuses_the_memories_made_before(alpha):
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="ema", ema_alpha=0.5)))
+    earlier = model.new_cache(2)
+    model.compress(earlier, PROMPT)
+    model.config.ema_alpha = alpha
+    built = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="ema", ema_alpha=alpha)).eval()
+    built.load_state_dict(model.state_dict())
+    caches = [each.new_cache(2) for each in (model, built)]
+    for each, cache in zip((model, built), caches, strict=True):
+        each.compress(cache, PROMPT)
+        each.compress(cache, PROMPT.flip(1))
+    assert torch.equal(caches[0].layers[1].values, caches[1].layers[1].values)
+    if alpha != 0.5:
+        with pytest.raises(ValueError, match=r"ema_alpha: cache 0\.5 vs model"):
+            model.compress(earlier, PROMPT)

@@ -23,6 +23,18 @@ FORMAT_VERSION = 1
 
 UpdateRule = Literal["concat", "merge", "ema"]
 UPDATE_RULES: tuple[str, ...] = ("concat", "merge", "ema")
+# What a model's LoRA layers and <COMP> embeddings are built with: its config keeps them (`_hold_built_fields`). Set
+# on its config, a count of <COMP> tokens failed every call inside torch, and conditional_lora=False was saved with a
+# LoRA trained as conditional, which the adapter then ran at every token once loaded.
+BUILT_FIELDS = (
+    "num_comp_tokens",
+    "conditional_lora",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "base_model_shape",
+)
 # The concat cap is compared with int64 slot counts: past int64 the comparison wrapped (every slot was dropped at
 # the next fold) or overflowed.
 _LARGEST_CAP = 2**63 - 1
@@ -109,7 +121,17 @@ class CCMConfig:
         `update = "mean"` folded as EMA under a signature that named another rule."""
         if name in _FIELD_NAMES and self.__dict__.get("_checked", False):
             value = getattr(replace(self, **{name: value}), name)  # as normalised (target_modules: a list)
+            if name in self.__dict__.get("_built", ()) and value != getattr(self, name):
+                raise ValueError(
+                    f"CCMConfig.{name} of a model's config cannot change ({getattr(self, name)!r} to {value!r}): the "
+                    f"model's LoRA layers and <COMP> embeddings were built with it. Build a new model with "
+                    f"CCMForCausalLM.from_base(base_model, dataclasses.replace(model.config, {name}=...))."
+                )
         super().__setattr__(name, value)
+
+    def _hold_built_fields(self) -> None:
+        """Refuse, from now on, a change of the fields a model was built with (`BUILT_FIELDS`): this is its config."""
+        self.__dict__["_built"] = BUILT_FIELDS
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready content of `ccm_config.json`, with the format version."""

@@ -37,7 +37,7 @@ from transformers_ccm.attention import (
     wrapped_implementation,
 )
 from transformers_ccm.cache import CacheSpec, CompressedMemoryCache
-from transformers_ccm.config import CCMConfig, base_shape
+from transformers_ccm.config import BUILT_FIELDS, CCMConfig, base_shape
 from transformers_ccm.data import IGNORE_INDEX, predicting_positions
 from transformers_ccm.embedded import load_base_model
 from transformers_ccm.hub import check_base_shape
@@ -233,6 +233,27 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # The LoRA's dropout modules (and this module) start in training mode; transformers loads a base model in eval
         # mode, where a dropout left on would make every compression of the loaded model random.
         self.train(base_model.training)
+
+    @property
+    def config(self) -> CCMConfig:
+        """The adapter's settings. The update rule, EMA coefficient and concat cap may change (memories made before are
+        then refused); the fields the model was built with (`BUILT_FIELDS`: `<COMP>` count, LoRA shape and gate) may
+        not."""
+        return self._config
+
+    @config.setter
+    def config(self, config: CCMConfig) -> None:
+        _check_config(config)
+        current = self.__dict__.get("_config")
+        changed = [] if current is None else [n for n in BUILT_FIELDS if getattr(config, n) != getattr(current, n)]
+        if changed:
+            details = ", ".join(f"{n}: {getattr(current, n)!r} to {getattr(config, n)!r}" for n in changed)
+            raise ValueError(
+                f"The model's config cannot change the fields its LoRA layers and <COMP> embeddings were built with "
+                f"({details}). Build a new model with CCMForCausalLM.from_base(base_model, config)."
+            )
+        config._hold_built_fields()
+        self._config = config
 
     @classmethod
     def from_base(
