@@ -378,3 +378,47 @@ def test_a_models_ema_coefficient_may_change_and_refuses_the_memories_made_befor
     if alpha != 0.5:
         with pytest.raises(ValueError, match=r"ema_alpha: cache 0\.5 vs model"):
             model.compress(earlier, PROMPT)
+
+
+RULE_CHANGES: dict[str, tuple[bool, Callable[[CCMConfig], Any]]] = {
+    # name: (whether it changes the memory's rule, the change to the model's config)
+    "ema_alpha": (True, lambda config: setattr(config, "ema_alpha", 0.9)),
+    "merge": (True, lambda config: setattr(config, "update", "merge")),
+    "capped concat": (
+        True,
+        lambda config: (setattr(config, "update", "concat"), setattr(config, "max_memory_tokens", 2)),
+    ),
+    "the same ema_alpha": (False, lambda config: setattr(config, "ema_alpha", 0.5)),
+}
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    call=st.sampled_from(sorted(CALLS)),
+    change=st.sampled_from(sorted(RULE_CHANGES)),
+    at=st.integers(1, LAYERS),
+    streaming=st.booleans(),
+)
+def test_a_call_during_which_another_thread_changes_the_memory_rule_is_refused(call, change, at, streaming):
+    """model.config.ema_alpha (or the update rule, or the cap) set in another thread while a call ran: the call folded
+    with the new rule into a memory whose signature names the old one, which a model with the old rule then loaded
+    and went on from without a word. Such a call is now refused and leaves its cache as it was."""
+    assume(not (streaming and call == "compress"))  # a stream compresses by itself
+    changes, make = RULE_CHANGES[change]
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="ema", lora_dropout=0.0)))
+    cache = _cache(model, streaming)
+    alone = cache.copy()
+    before = snapshot(cache)
+    with _changed_in_another_thread(model, [functools.partial(make, model.config)], at):
+        if changes:
+            with pytest.raises(
+                ValueError, match=r"The model changed while .+ ran \(.*update rule, ema_alpha or max_memory_tokens"
+            ):
+                CALLS[call](model, cache)
+        else:
+            got = CALLS[call](model, cache)
+    if changes:
+        assert_same(snapshot(cache), before)
+    else:
+        assert_same(got, CALLS[call](model, alone))
+        assert_same(snapshot(cache), snapshot(alone))

@@ -108,6 +108,7 @@ class _ModelState(NamedTuple):
     base_config: dict[str, Any]  # the base config's entries that change its numbers (`computing_settings`)
     training: tuple[bool, ...]  # every module's mode (dropout acts in training mode)
     mode_switch: int  # the latest `CCMForCausalLM.train()` or `eval()` that changed a mode: a switch and back counts
+    memory_rule: tuple[str, float, int | None]  # the config's update rule, EMA coefficient and concat cap
 
 
 TESTED_MODEL_TYPES = (
@@ -1132,6 +1133,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             base_config=self._base_config(),
             training=self._modes(),
             mode_switch=self._mode_switch,
+            memory_rule=(self.config.update, self.config.ema_alpha, self.config.max_memory_tokens),
         )
 
     def _modes(self) -> tuple[bool, ...]:
@@ -1733,9 +1735,9 @@ def _equal(first: Any, second: Any) -> bool:
 def _changed_during(call: str) -> ValueError:
     return ValueError(
         f"The model changed while {call} ran (load_adapter, an optimizer step, a cast, an attention or LoRA switch, "
-        "or train()/eval() in another thread), so the call mixed two models; the cache is left as it was, and belongs "
-        "to the model before the change. Change a serving model only while no call runs on it (or serve from another "
-        "copy of the model)."
+        "train()/eval(), or its config's update rule, ema_alpha or max_memory_tokens set in another thread), so the "
+        "call mixed two models; the cache is left as it was, and belongs to the model before the change. Change a "
+        "serving model only while no call runs on it (or serve from another copy of the model)."
     )
 
 
