@@ -340,6 +340,8 @@ def _flip_middle_byte(path):
         (CCMConfig(lora_dropout=0.0, update="merge"), "update: checkpoint 'concat' vs model 'merge'"),
         (CCMConfig(lora_dropout=0.0, r=4), "r: checkpoint 8 vs model 4"),
         (CCMConfig(lora_dropout=0.0, num_comp_tokens=3), "num_comp_tokens: checkpoint 2 vs model 3"),
+        # A cap changes which memory every context sees: the run went on training another memory without a word.
+        (CCMConfig(lora_dropout=0.0, max_memory_tokens=3), "max_memory_tokens: checkpoint None vs model 3"),
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_adapter(tmp_path_factory, two_checkpoints, config, difference):

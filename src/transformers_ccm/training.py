@@ -534,7 +534,15 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
 # optimizer or the scheduler it silently starts both anew (a fresh Adam state, a second warm-up).
 CHECKPOINT_STATE = (TRAINER_STATE_NAME, "optimizer.pt", "scheduler.pt")
 # The settings a resumed run must share with its checkpoint: the adapter's structure and how its memory is made.
-RESUMED_SETTINGS = ("update", "num_comp_tokens", "conditional_lora", "r", "lora_alpha", "target_modules")
+RESUMED_SETTINGS = (
+    "update",
+    "max_memory_tokens",
+    "num_comp_tokens",
+    "conditional_lora",
+    "r",
+    "lora_alpha",
+    "target_modules",
+)
 
 
 # The recipe settings a resumed run must share with its checkpoint: what it learns from, in what order, and the
