@@ -1,6 +1,7 @@
 """Adapters as files: save, load (folder or Hub cache, offline), push, and the errors that keep loads whole."""
 
 import ast
+import copy
 import json
 import os
 import re
@@ -657,6 +658,23 @@ def test_load_adapter_resizes_comp_tokens_when_asked(tmp_path, saved, wanted):
     rows = [kept[min(row, saved - 1)] for row in range(wanted)]  # the saved rows, then copies of the last
     assert torch.equal(target.comp_embeddings.detach(), torch.stack(rows))
     assert all(torch.equal(value, target.lora_state_dict()[name]) for name, value in source.lora_state_dict().items())
+
+
+def test_resizing_past_the_adapters_concat_cap_is_refused_naming_both_and_changes_nothing(tmp_path):
+    """A cap that cannot hold one context of the resized <COMP> block was refused with CCMConfig's own message, which
+    named neither the adapter nor the resize."""
+    _adapter(None, max_memory_tokens=3).save_pretrained(tmp_path / "capped")
+    target = _adapter(None, seed=9, num_comp_tokens=4)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    config = copy.deepcopy(target.config)
+    with pytest.raises(
+        ValueError,
+        match=r"capped caps concat memory at 3 slots, fewer than one context of this model's 4 <COMP> tokens; resize "
+        r"it to at most 3",
+    ):
+        target.load_adapter(tmp_path / "capped", resize_comp_tokens=True)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    assert target.config == config
 
 
 _WITH_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]

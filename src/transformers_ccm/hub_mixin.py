@@ -226,8 +226,14 @@ class AdapterHubMixin:
             saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
             # A missing or malformed embedding is left as it is, for the checks below to reject with their message.
             if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
-                tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, self.config.num_comp_tokens)}
-                config = replace(config, num_comp_tokens=self.config.num_comp_tokens)
+                n, cap = self.config.num_comp_tokens, config.max_memory_tokens
+                if cap is not None and cap < n:  # CCMConfig's own refusal named neither the adapter nor the resize
+                    raise ValueError(
+                        f"The adapter at {folder} caps concat memory at {cap} slots, fewer than one context of this "
+                        f"model's {n} <COMP> tokens; resize it to at most {cap} <COMP> tokens."
+                    )
+                tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, n)}
+                config = replace(config, num_comp_tokens=n)
             if targeted(self.base_model, config.target_modules) == targeted(
                 self.base_model, self.config.target_modules
             ):
