@@ -132,6 +132,24 @@ def test_a_config_that_is_no_ccm_config_is_refused_and_the_base_left_as_it_was(c
     assert not lora_layers(base)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+@pytest.mark.parametrize("num_comp_tokens", [512, 600])
+def test_a_comp_block_that_fills_the_models_positions_is_refused_and_the_base_left_as_it_was(
+    architecture, num_comp_tokens
+):
+    """Such a model could never compress a context: every compress() was refused asking for shorter pieces, and a
+    rotary model trained on positions past its own."""
+    base = tiny_base(architecture)
+    with pytest.raises(
+        ValueError,
+        match=rf"num_comp_tokens={num_comp_tokens} leaves no room for a context in the 512 positions of the base "
+        r"model; use fewer <COMP> tokens \(at most 511",
+    ):
+        CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=num_comp_tokens))
+    assert not lora_layers(base)
+    CCMForCausalLM.from_base(base, CCMConfig(num_comp_tokens=511))
+
+
 def test_peft_model_is_refused():
     from peft import LoraConfig, get_peft_model
 

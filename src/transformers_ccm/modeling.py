@@ -180,6 +180,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         _check_config(config)
         _check_supported(base_model)
         check_base_shape(config, base_model.name_or_path, base_shape(base_model.config))
+        _check_comp_room(config, base_model)
         super().__init__()
         self.config = replace(config, base_model_shape=base_shape(base_model.config))
         self.base_model = base_model
@@ -1412,6 +1413,17 @@ def _check_config(config: Any) -> None:
         raise TypeError(
             f"config must be a CCMConfig, got {type(config).__name__}; build one with CCMConfig(...)"
             + (", e.g. CCMConfig(**settings) for a dict of settings." if isinstance(config, dict) else ".")
+        )
+
+
+def _check_comp_room(config: CCMConfig, model: PreTrainedModel) -> None:
+    """Raise if the `<COMP>` block leaves no position for a context: every compression would be refused (asking for
+    shorter pieces), and training would run past the model's positions."""
+    positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if positions is not None and config.num_comp_tokens >= positions:
+        raise ValueError(
+            f"num_comp_tokens={config.num_comp_tokens} leaves no room for a context in the {positions} positions of "
+            f"the base model; use fewer <COMP> tokens (at most {positions - 1}; the paper uses 1 to 8)."
         )
 
 
