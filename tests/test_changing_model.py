@@ -352,6 +352,11 @@ def test_a_models_config_keeps_the_fields_its_adapter_was_built_with(tmp_path, f
     with pytest.raises(ValueError, match=f"{field}.*CCMForCausalLM.from_base"):
         change()
     assert model.config == before
+    with pytest.raises(ValueError, match=f"{field}.*CCMForCausalLM.from_base"):  # a copy of the model holds its own
+        setattr(copy.deepcopy(model).config, field, OTHER_BUILT_VALUES[field])
+    copied = copy.deepcopy(model.config)  # a copy of the config alone is a config of its own
+    setattr(copied, field, OTHER_BUILT_VALUES[field])
+    assert getattr(copied, field) == OTHER_BUILT_VALUES[field] and model.config == before
     model.save_pretrained(tmp_path)
     loaded = CCMForCausalLM.from_pretrained(tmp_path, base_model=tiny_base("llama"))
     assert loaded.config == model.config

@@ -133,6 +133,11 @@ class CCMConfig:
         """Refuse, from now on, a change of the fields a model was built with (`BUILT_FIELDS`): this is its config."""
         self.__dict__["_built"] = BUILT_FIELDS
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The config without a model's hold (`_hold_built_fields`): a copy (`copy.deepcopy`, a pickle) is a config of
+        its own, which a model holds again once it is its config."""
+        return {name: value for name, value in self.__dict__.items() if name != "_built"}
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready content of `ccm_config.json`, with the format version."""
         from transformers_ccm import __version__

@@ -241,7 +241,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """The adapter's settings. The update rule, EMA coefficient and concat cap may change (memories made before are
         then refused); the fields the model was built with (`BUILT_FIELDS`: `<COMP>` count, LoRA shape and gate) may
         not."""
-        return self._config
+        config = self._config
+        config._hold_built_fields()  # again: a copy of the model (copy.deepcopy, a pickle) copies it without the hold
+        return config
 
     @config.setter
     def config(self, config: CCMConfig) -> None:
