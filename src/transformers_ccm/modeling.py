@@ -108,7 +108,7 @@ class _ModelState(NamedTuple):
     base_config: dict[str, Any]  # the base config's entries that change its numbers (`computing_settings`)
     training: tuple[bool, ...]  # every module's mode (dropout acts in training mode)
     mode_switch: int  # the latest `CCMForCausalLM.train()` or `eval()` that changed a mode: a switch and back counts
-    memory_rule: tuple[str, float, int | None]  # the config's update rule, EMA coefficient and concat cap
+    memory_rule: tuple[str, float | None, int | None]  # update rule, EMA coefficient (ema only) and concat cap
 
 
 TESTED_MODEL_TYPES = (
@@ -1055,14 +1055,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """`memory_signature()` for the model in `state` (`_state()`), whose version scans key the digests: a call
         checks its cache with the scan it holds the model to, not with one more."""
         scaling = state.lora_scaling
+        update, ema_alpha, cap = state.memory_rule
         return {
             "base_model": self.config.base_model_name_or_path,
             **base_shape(self.base_model.config),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "update": self.config.update,
+            "update": update,
             "num_comp_tokens": self.config.num_comp_tokens,
-            "max_memory_tokens": self.config.max_memory_tokens,
-            "ema_alpha": self.config.ema_alpha if self.config.update == "ema" else None,
+            "max_memory_tokens": cap,
+            "ema_alpha": ema_alpha,
             "adapter_sha256": self._digest("adapter", adapter_digest, state.adapter_versions),
             "base_fingerprint": self._digest("base", weights_fingerprint, state.base_versions),
             "lora_scaling": scaling[0] if len(set(scaling)) == 1 else list(scaling),
@@ -1136,8 +1137,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             base_config=self._base_config(),
             training=self._modes(),
             mode_switch=self._mode_switch,
-            memory_rule=(self.config.update, self.config.ema_alpha, self.config.max_memory_tokens),
+            memory_rule=self._memory_rule(),
         )
+
+    def _memory_rule(self) -> tuple[str, float | None, int | None]:
+        """How a compression enters memory: the update rule, its EMA coefficient (ema only) and the concat cap."""
+        config = self.config
+        return config.update, config.ema_alpha if config.update == "ema" else None, config.max_memory_tokens
 
     def _modes(self) -> tuple[bool, ...]:
         """Every module's `training` flag (read twice per call, over every module: `map` walks them fastest)."""
