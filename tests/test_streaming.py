@@ -400,6 +400,13 @@ def test_same_size_baseline_holds_as_many_positions():
         (StreamingConfig(compress_chunk=0), "compress_chunk must be a positive integer"),
         (StreamingConfig(window_tokens=600, compress_chunk=16), "maximum of 512 positions"),
         (StreamingConfig(window_tokens=511, sink_tokens=2, compress=False), "maximum of 512 positions"),
+        # Each names the largest of the sizes that add up: a large cap was refused asking for a smaller window.
+        (
+            StreamingConfig(max_memory_tokens=600),
+            r"= 4 \+ 600 \+ 148 \+ 2 = 754 exceeds .* lower max_memory_tokens \(600\)",
+        ),
+        (StreamingConfig(sink_tokens=400), r"lower sink_tokens \(400\)"),
+        (StreamingConfig(window_tokens=600, compress_chunk=16), r"lower window_tokens \(600\)"),
         (StreamingConfig(max_memory_tokens=1), "max_memory_tokens"),
         (StreamingConfig(sink_tokens=-1), "sink_tokens"),
     ],

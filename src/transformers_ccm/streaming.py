@@ -93,17 +93,25 @@ class StreamingConfig:
             )
         # The <COMP> tokens of a compression sit right after their chunk, up to n - 1 positions past the cap.
         highest = self.max_kv_length(ccm_config) + (n if self.compress else 0)
+        # The setting to lower is the largest of those that add up: a large cap was refused asking for a smaller window.
+        sizes = {"sink_tokens": self.sink_tokens, "window_tokens": self.window_tokens}
+        if self.compress and ccm_config.update == "concat":
+            sizes["max_memory_tokens"] = self.max_memory_tokens
+        largest = max(sizes, key=sizes.__getitem__)
+        terms = (self.sink_tokens, self.memory_slots(ccm_config), self.window_tokens, *((n,) if self.compress else ()))
+        total = (
+            f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = "
+            f"{' + '.join(map(str, terms))} = {highest}"
+        )
         if max_positions is not None and highest > max_positions:
             raise ValueError(
-                f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
-                f"exceeds the model's maximum of {max_positions} positions; lower window_tokens."
+                f"{total} exceeds the model's maximum of {max_positions} positions; lower {largest} ({sizes[largest]})."
             )
         if rotary_positions is not None and highest > rotary_positions:
             raise ValueError(
-                f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = {highest} "
-                f"passes the model's original context of {rotary_positions} positions, past which its LongRoPE rotates "
-                "every position with other frequencies: the keys a stream moves would land at wrong positions. Lower "
-                f"window_tokens to stay within {rotary_positions} positions."
+                f"{total} passes the model's original context of {rotary_positions} positions, past which its LongRoPE "
+                "rotates every position with other frequencies: the keys a stream moves would land at wrong positions. "
+                f"Lower {largest} ({sizes[largest]}) to stay within {rotary_positions} positions."
             )
 
 
