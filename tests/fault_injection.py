@@ -146,11 +146,14 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _memory(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's memory slots (a stream's sit after its sink)."""
+def _memory(cache: CompressedMemoryCache, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's memory slots (a stream's sit after each row's sink; zeros past a row's own)."""
     if isinstance(layer, StreamingLayer):
-        start, end = layer.sink_length, layer.sink_length + layer.memory_length
-        return layer.keys[:, :, start:end], layer.values[:, :, start:end]
+        sink, memory = cache.stream_lengths[:, 0, None], cache.stream_lengths[:, 1, None]
+        slots = torch.arange(cache.memory_length)[None]
+        valid = slots < memory
+        keys, values = layer.slots(torch.where(valid, sink + slots, 0), valid)
+        return keys.to(layer.keys.dtype), values
     return layer.memory()
 
 
@@ -163,7 +166,7 @@ def snapshot(cache: CompressedMemoryCache) -> dict[str, Any]:
         state = {name: _frozen(value) for name, value in layer.__dict__.items() if name != "accumulated"}
         accumulated = getattr(layer, "accumulated", None)
         if accumulated is not None:
-            keys, values = _memory(layer)
+            keys, values = _memory(cache, layer)
             if accumulated[0].dtype == keys.dtype:
                 assert torch.equal(accumulated[0], keys) and torch.equal(accumulated[1], values)
             else:
@@ -174,6 +177,8 @@ def snapshot(cache: CompressedMemoryCache) -> dict[str, Any]:
         "layers": layers,
         "turn_tokens": cache.turn_tokens,
         "compressed_in_window": cache.compressed_in_window,
+        "stream_lengths": cache.stream_lengths.clone(),
+        "row_ends": cache.row_ends,
         "streaming": cache.streaming,
         "lengths": (cache.memory_length, cache.turn_length, cache.get_seq_length(), cache.has_unfolded_turn),
         "steps": cache.steps.tolist(),

@@ -10,9 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import StoppingCriteriaList
 
 from crafted_files import with_huge_tensor
 from fault_injection import ValuesRead
+from test_online import StopAfter
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.cache import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
@@ -429,30 +431,35 @@ def _compressed_tokens_kept_by_the_paper_s_schedule(header):
 
 
 CRAFTED_STREAMS = {
-    "rows at different steps": ({"tensors": _with("steps", torch.tensor([2, 7]))}, r"its rows are at steps \[2, 7\]"),
+    "a row that compressed nothing, yet owns memory": (
+        {"tensors": _with("steps", torch.tensor([2, 0]))},
+        r"its rows own \[([24]), \1\] of \1 memory slots, which the chunks they compressed \('steps' \[2, 0\]\) cannot "
+        r"give \((concat|merge), 2 per chunk",
+    ),
     "no fold, yet memory": (
         {"tensors": _with("steps", torch.tensor([0, 0]))},
-        r"it holds [24] memory slots, which 0 compressed chunks cannot give \((concat|merge), 2 per chunk",
+        r"its rows own \[([24]), \1\] of \1 memory slots, which the chunks they compressed \('steps' \[0, 0\]\) cannot "
+        r"give \((concat|merge), 2 per chunk",
     ),
     "memory slots that no row owns": (
         {"tensors": lambda tensors: {**tensors, "memory_mask": torch.zeros_like(tensors["memory_mask"])}},
-        "a row does not own all of its memory slots",
+        r"its rows own \[0, 0\] of [24] memory slots",
     ),
     # Evicted without a compression of their own: tokens that no memory slot holds were dropped.
     "more compressed window tokens than one chunk": (
         {"metadata": _header_edit(lambda h: h["streaming"]["state"].update(compressed_in_window=5))},
-        r"its window holds 5 tokens already compressed, more than this stream leaves there \(4\)",
+        r"its window holds \[5, 5\] tokens already compressed, more than this stream leaves there \(\[4, 4\]\)",
     ),
     "compressed window tokens under the paper's schedule": (
         {"metadata": _header_edit(_compressed_tokens_kept_by_the_paper_s_schedule)},
-        r"its window holds 1 tokens already compressed, more than this stream leaves there \(0\)",
+        r"its window holds \[1, 1\] tokens already compressed, more than this stream leaves there \(\[0, 0\]\)",
     ),
     "a window before the sink is full": (
         {
             "tensors": _without_sink,
             "metadata": _header_edit(lambda h: h["streaming"]["state"].update(sink_length=0, compressed_in_window=0)),
         },
-        "its sink holds 0 of 2 tokens, yet memory or window tokens follow it",
+        r"its sink holds \[0, 0\] of 2 tokens, yet memory or window tokens follow it",
     ),
 }
 
@@ -460,7 +467,7 @@ CRAFTED_STREAMS = {
 @pytest.mark.parametrize("update", ["concat", "merge"])
 @pytest.mark.parametrize("case", sorted(CRAFTED_STREAMS))
 def test_crafted_streams_are_refused_with_a_value_error_that_names_the_problem(tmp_path, update, case):
-    """A stream's rows fold together, its memory is owned whole and follows a full sink: a file that says otherwise
+    """A stream's rows own the memory their compressions give, which follows a full sink: a file that says otherwise
     was loaded, and the next forward put new tokens in the sink behind the window, or restarted a merge average."""
     from transformers_ccm.streaming import StreamingConfig
 
@@ -474,6 +481,54 @@ def test_crafted_streams_are_refused_with_a_value_error_that_names_the_problem(t
     CompressedMemoryCache.load(path, model)  # as saved, it loads
     edits, message = CRAFTED_STREAMS[case]
     _rewrite(path, **edits)
+    with pytest.raises(ValueError, match=message):
+        CompressedMemoryCache.load(path, model)
+
+
+def _lengths_edit(edit):
+    """A `_rewrite` tensors edit of a stream's per-row lengths `(batch, 4)`."""
+    return lambda tensors: {**tensors, "stream_lengths": edit(tensors["stream_lengths"].clone())}
+
+
+def _set(row, column, value):
+    def edit(lengths):
+        lengths[row, column] = value
+        return lengths
+
+    return edit
+
+
+CRAFTED_ROW_LENGTHS = {
+    "a row longer than the header says": (_lengths_edit(_set(1, 2, 9)), "are not those its header gives"),
+    "a negative length": (_lengths_edit(_set(0, 2, -1)), "are not those its header gives"),
+    "memory that the row owns no slot of": (
+        _lengths_edit(lambda lengths: _set(0, 2, lengths[0, 2] - 2)(_set(0, 1, 2)(lengths))),
+        "are not its first ones",
+    ),
+    "lengths of another batch size": (
+        _lengths_edit(lambda lengths: lengths[:1]),
+        r"'stream_lengths' is torch.int64 of shape \(1, 4\), expected torch.int64 of shape \(2, 4\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED_ROW_LENGTHS))
+def test_crafted_lengths_of_a_stream_s_rows_are_refused(tmp_path, case):
+    """A stream whose rows differ (one's generate() reply ended first) saves each row's lengths; a file whose lengths
+    disagree with its header, its memory or its batch is refused."""
+    model = tiny_ccm("llama")
+    stream = model.new_cache(
+        2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    )
+    model(input_ids=torch.tensor([list(range(3, 7))] * 2), past_key_values=stream)
+    stopping = StoppingCriteriaList([StopAfter([1, None], 2)])
+    model.generate(torch.tensor([[20, 21]] * 2), past_key_values=stream, max_new_tokens=3, stopping_criteria=stopping)
+    assert stream.kv_lengths.tolist()[0] < stream.kv_lengths.tolist()[1]
+    path = tmp_path / "stream.safetensors"
+    stream.save(path)
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    edit, message = CRAFTED_ROW_LENGTHS[case]
+    _rewrite(path, tensors=edit)
     with pytest.raises(ValueError, match=message):
         CompressedMemoryCache.load(path, model)
 

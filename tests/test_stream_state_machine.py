@@ -323,10 +323,11 @@ class StreamMachine(_Machine):
             streaming = cache.streaming
             assert streaming is not None
             assert cache.kv_length <= streaming.max_kv_length(self.model.config)
+            sink, _, window, compressed = cache.stream_lengths.unbind(1)
+            assert bool((sink <= streaming.sink_tokens).all() and (window <= streaming.window_tokens).all())
+            assert bool((compressed >= 0).all() and (compressed <= window).all())
             for layer in cache.layers:
-                assert layer.sink_length <= streaming.sink_tokens and layer.window_length <= streaming.window_tokens
-                assert not layer.is_initialized or layer.keys.shape[2] == layer.kv_length == cache.kv_length
-            assert 0 <= cache.compressed_in_window <= cache.window_length
+                assert not layer.is_initialized or layer.keys.shape[2] == cache.kv_length
 
 
 class MergeStreamMachine(StreamMachine):

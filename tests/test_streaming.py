@@ -8,13 +8,22 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteriaList
 
 from fault_injection import assert_same, snapshot
 from streaming_reference import ReferenceStream
+from test_online import StopAfter
 from test_sliding_window import windowed_model
-from tiny_models import VOCAB, randomize_adapter, tiny_base, tiny_ccm, tiny_longrope_base, tiny_wide_head_base
-from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
+from tiny_models import (
+    VOCAB,
+    InjectedFailure,
+    randomize_adapter,
+    tiny_base,
+    tiny_ccm,
+    tiny_longrope_base,
+    tiny_wide_head_base,
+)
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.modeling import CACHE_ARGUMENT
 from transformers_ccm.streaming import KeyRotation
 
@@ -187,7 +196,7 @@ def test_a_longrope_stream_stays_within_the_original_context(compress):
     with torch.no_grad():
         for piece in ids.split(7, dim=1):
             model(input_ids=piece, past_key_values=cache)
-    sink, kept = cache.sink_length, cache.sink_length + cache.layers[0].memory_length
+    sink, kept = cache.sink_length, cache.sink_length + cache.memory_length
     expected = [keys_at(model, ids[:, :sink], 0)[0], keys_at(model, ids[:, -cache.window_length :], kept)[0]]
     keys = cache.layers[0].keys
     torch.testing.assert_close(torch.cat([keys[:, :, :sink], keys[:, :, kept:]], dim=2), torch.cat(expected, dim=2))
@@ -523,3 +532,100 @@ def test_a_streamed_loss_still_reaches_the_adapter_within_its_call():
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids, past_key_values=cache).loss.backward()  # one call, run in pieces
     assert model.comp_embeddings.grad is not None and model.comp_embeddings.grad.abs().sum() > 0
+
+
+def _stream_after_generate(model, config, history, prompts, counts, new, beams, fail_at=None, cache=None):
+    """A stream (`cache`, else a new one) of `history` `(batch, h)` tokens (none if h is 0), then generate() with
+    `beams` beams from `prompts` whose row r stops after `counts[r]` tokens (None: at `new`), failing at reply length
+    `fail_at`: (cache, the generated tokens `(batch, <= new)`, or the snapshot of the cache before the call if it
+    failed)."""
+    cache = cache if cache is not None else model.new_cache(prompts.shape[0], streaming=config)
+    if history.shape[1]:
+        model(input_ids=history, past_key_values=cache)
+    before = snapshot(cache)
+    stopping = StoppingCriteriaList([StopAfter(counts, prompts.shape[1], fail_at)])
+    try:
+        sequences = model.generate(
+            prompts,
+            past_key_values=cache,
+            max_new_tokens=new,
+            do_sample=False,
+            num_beams=beams,
+            stopping_criteria=stopping,
+        )
+    except InjectedFailure:
+        return cache, before
+    return cache, sequences[:, prompts.shape[1] :]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_row_that_finishes_early_streams_as_it_does_alone(tmp_path_factory, data):
+    """transformers pads a row that finished before the others (EOS, a stopping criterion; with beam search, a row
+    whose returned beam ended first); a stream kept that padding in the row's window, compressed it into the row's
+    memory and counted it in its positions. Each row now holds what it holds generating alone: the same keys and
+    values, positions and history, and the same logits later on, saved and loaded too, and after a selection of rows;
+    a call that fails leaves the stream as it was."""
+    update = data.draw(st.sampled_from(("concat", "merge", "ema")), label="update")
+    model = tiny_ccm("llama", num_comp_tokens=2, update=update)
+    chunk = data.draw(st.integers(1, 4), label="chunk")
+    config = StreamingConfig(
+        window_tokens=chunk + data.draw(st.integers(0, 4), label="extra window"),
+        sink_tokens=data.draw(st.integers(0, 2), label="sink"),
+        compress_chunk=chunk,
+        max_memory_tokens=4,
+        keep_window_full=data.draw(st.booleans(), label="keep_window_full"),
+        compress=data.draw(st.booleans(), label="compress"),
+    )
+    batch = data.draw(st.integers(2, 3), label="batch")
+    new = data.draw(st.integers(2, 8), label="max_new_tokens")
+    counts = data.draw(st.lists(st.none() | st.integers(1, new), min_size=batch, max_size=batch), label="counts")
+    fail_at = data.draw(st.none() | st.integers(1, new), label="fail_at")
+    beams = data.draw(st.sampled_from([1, 2]), label="beams")
+    history = torch.randint(3, VOCAB, (batch, data.draw(st.integers(0, 12), label="history")))
+    prompts = torch.randint(3, VOCAB, (batch, data.draw(st.integers(1, 5), label="prompt")))
+    later = torch.randint(3, VOCAB, (batch, data.draw(st.integers(1, 6), label="later")))
+    cache, replies = _stream_after_generate(model, config, history, prompts, counts, new, beams, fail_at)
+    if isinstance(replies, dict):
+        assert_same(snapshot(cache), replies)
+        return
+    lengths, held = cache.kv_lengths.tolist(), [(layer.keys, layer.values) for layer in cache.layers]
+    path = tmp_path_factory.mktemp("stream") / "stream.safetensors"
+    cache.save(path)
+    loaded = CompressedMemoryCache.load(path, model)
+    logits = model(input_ids=later, past_key_values=cache).logits
+    torch.testing.assert_close(model(input_ids=later, past_key_values=loaded).logits, logits, atol=0, rtol=0)
+    alone_caches = []
+    for row in range(batch):
+        alone, reply = _stream_after_generate(
+            model, config, history[row : row + 1], prompts[row : row + 1], [counts[row]], new, beams
+        )
+        assert replies[row, : reply.shape[1]].tolist() == reply[0].tolist()
+        assert int(alone.history_tokens[0]) + later.shape[1] == int(cache.history_tokens[row]), f"row {row}"
+        assert lengths[row] == alone.kv_length
+        for (keys, values), single in zip(held, alone.layers, strict=True):
+            own = slice(0, alone.kv_length)
+            torch.testing.assert_close(keys[row : row + 1, :, own], single.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[row : row + 1, :, own], single.values, atol=1e-5, rtol=0)
+        alone_logits = model(input_ids=later[row : row + 1], past_key_values=alone).logits
+        torch.testing.assert_close(logits[row : row + 1], alone_logits, atol=1e-4, rtol=0)
+        alone_caches.append(alone)
+    # A second reply, its rows ending at other steps, from streams of different lengths.
+    again = data.draw(st.lists(st.none() | st.integers(1, new), min_size=batch, max_size=batch), label="again")
+    nothing = torch.zeros(batch, 0, dtype=torch.long)
+    _, replies = _stream_after_generate(model, config, nothing, later, again, new, beams, cache=loaded)
+    for row, alone in enumerate(alone_caches):
+        prompt = later[row : row + 1]
+        _, reply = _stream_after_generate(model, config, nothing[:1], prompt, [again[row]], new, beams, cache=alone)
+        assert replies[row, : reply.shape[1]].tolist() == reply[0].tolist()
+        assert int(loaded.kv_lengths[row]) == alone.kv_length
+        assert int(loaded.history_tokens[row]) == int(alone.history_tokens[0])
+    # Rows selected in another order (the longest may leave) keep their streams, saved and loaded too.
+    order = data.draw(st.permutations(range(batch)), label="order")[: data.draw(st.integers(1, batch), label="kept")]
+    selected = CompressedMemoryCache.load(path, model)
+    selected.batch_select_indices(torch.tensor(order))
+    selected.save(path)
+    selected = CompressedMemoryCache.load(path, model)
+    assert selected.kv_length == max(lengths[row] for row in order)
+    got = model(input_ids=later[order], past_key_values=selected).logits
+    torch.testing.assert_close(got, logits[order], atol=1e-5, rtol=0)

@@ -303,100 +303,72 @@ class MemoryLayer(_RowsLayer):
 
 
 class StreamingLayer(_RowsLayer):
-    """One layer of a bounded stream: `[sink | memory | window]` keys/values at positions `0..n-1`.
+    """One layer of a bounded stream: each row's `[sink | memory | window]` keys/values at positions `0..n-1`, the
+    row's `n` its own (`CompressedMemoryCache.stream_lengths`); a row shorter than the longest is followed by zeros.
 
-    New tokens fill the sink first, then the window. When the window overflows, the cache has its oldest
-    chunk compressed (`fold_chunk`) or dropped (`evict`); moved keys are re-rotated to their new positions.
+    New tokens follow each row's own slots (`update`, where `placement` says); compression and eviction lay every
+    row out anew (`rearrange`), re-rotating moved keys to their new positions.
 
     In float16 or bfloat16 the keys are also held in float32 (`float_keys`), which every move rotates: a window
     key moves once per token that enters a full window, and rotated and rounded each time it drifted (bfloat16: 7%
     of its norm after 148 moves, against 0.2% for one rounding); the keys attended to are its cast.
     """
 
-    def __init__(self, sink_tokens: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.sink_tokens = sink_tokens
-        self.sink_length = self.memory_length = self.window_length = 0
         self.accumulated: tuple[torch.Tensor, torch.Tensor] | None = None
         self.float_keys: torch.Tensor | None = None  # the keys in float32, where they are not float32 themselves
         self.announced = 0  # as `MemoryLayer.announced`
-
-    @property
-    def kv_length(self) -> int:
-        return self.sink_length + self.memory_length + self.window_length
-
-    def window_growth(self, new: int) -> int:
-        """How many of `new` tokens go to the window (the others fill the sink)."""
-        return new - min(new, self.sink_tokens - self.sink_length)
+        # Where the next tokens go (`CompressedMemoryCache.prepare_forward`): None after every slot, else each row's
+        # `(index, valid)` (`_gathered`) into the held slots followed by the new ones.
+        self.placement: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        growth = self.window_growth(key_states.shape[-2])
-        keys, values = super().update(key_states, value_states)
-        if keys.dtype != torch.float32:
-            new = key_states.float()
-            self.float_keys = new if self.float_keys is None else torch.cat([self.float_keys, new], dim=-2)
-        self.sink_length += key_states.shape[-2] - growth
-        self.window_length += growth
-        return keys, values
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        placement, self.placement = self.placement, None
+        keys, values = self._exact_keys(), self.values
+        if keys.dtype != key_states.dtype:
+            key_states = key_states.float()
+        keys, values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+        if placement is not None:
+            keys, values = _gathered(keys, values, *placement)
+        self._set_keys(keys)
+        self.values = values
+        return self.keys, self.values
 
     def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :length], self.values[:, :, :length]
 
-    def memory(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory keys and values, `(batch, kv_heads, memory_length, head_dim)` each."""
-        memory = slice(self.sink_length, self.sink_length + self.memory_length)
-        return self.keys[:, :, memory], self.values[:, :, memory]
+    def slots(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact keys and the values of the slots `index` `(batch, n)` of each row (zeros where `valid` is
+        False)."""
+        return _gathered(self._exact_keys(), self.values, index, valid)
 
-    def fold_chunk(
+    def rearrange(
         self,
         rotation: KeyRotation,
         layer_idx: int,
-        comp: tuple[torch.Tensor, torch.Tensor],
-        chunk: int,
-        evicted: int,
-        weight: float | None,
-        drop_chunk: bool = True,
+        index: torch.Tensor,
+        delta: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        extra: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Put the `<COMP>` keys/values `comp` (computed right after the oldest `chunk` window tokens) into memory:
-        appended after evicting its `evicted` oldest slots (concat, `weight=None`), or averaged into it in float32
-        with coefficient `weight` (merge/EMA). The chunk leaves the window, or stays in it with
-        `drop_chunk=False` (it is then evicted as new tokens need room)."""
-        sink, memory = self.sink_length, self.memory_length
-        comp_keys, comp_values = comp
-        comp_start = sink + memory + chunk
-        kept_from = comp_start if drop_chunk else sink + memory
+        """Lay each row out anew: slot `j` of row `b` takes the slot `index[b, j]` of `[held | extra]` (`extra`: keys
+        in float32 and values, `(batch, kv_heads, n, head_dim)` each), its key moved by `delta[b, j]` positions (None:
+        no key moves); slots not `valid` are zeros (None: all are). `index`, `delta`, `valid`: `(batch, new_length)`
+        (`_layout`)."""
         keys, values = self._exact_keys(), self.values
-        comp_keys = comp_keys.to(keys.dtype)
-        rest = keys[:, :, kept_from:], values[:, :, kept_from:]
-        if weight is None:
-            key_pieces = [(keys[:, :, sink + evicted : sink + memory], sink + evicted), (comp_keys, comp_start)]
-            memory_values = torch.cat([values[:, :, sink + evicted : sink + memory], comp_values], dim=2)
-        else:
-            moved = rotation.shift(layer_idx, comp_keys, torch.full((comp_keys.shape[2],), sink - comp_start))
-            average = moved.float(), comp_values.float()
-            memory_slots = (keys[:, :, sink : sink + memory], values[:, :, sink : sink + memory]) if memory else None
-            old = _float_average(self.accumulated, memory_slots)
-            if old is not None:
-                average = tuple((1 - weight) * past + weight * new for past, new in zip(old, average, strict=True))
-            self.accumulated = average
-            key_pieces = [(average[0].to(keys.dtype), sink)]
-            memory_values = average[1].to(values.dtype)
-        self._set_keys(rotation.relocate(layer_idx, [(keys[:, :, :sink], 0), *key_pieces, (rest[0], kept_from)]))
-        self.values = torch.cat([values[:, :, :sink], memory_values, rest[1]], dim=2)
-        self.memory_length = memory_values.shape[2]
-        self.window_length -= chunk if drop_chunk else 0
-
-    def evict(self, rotation: KeyRotation, layer_idx: int, excess: int) -> None:
-        """Drop the oldest `excess` window tokens (StreamingLLM), moving the rest back."""
-        kept = self.sink_length + self.memory_length
-        keys = self._exact_keys()
-        self._set_keys(
-            rotation.relocate(layer_idx, [(keys[:, :, :kept], 0), (keys[:, :, kept + excess :], kept + excess)])
-        )
-        self.values = torch.cat([self.values[:, :, :kept], self.values[:, :, kept + excess :]], dim=2)
-        self.window_length -= excess
+        if extra is not None:
+            keys = torch.cat([keys, extra[0].to(keys.dtype)], dim=2)
+            values = torch.cat([values, extra[1].to(values.dtype)], dim=2)
+        keys, values = _gathered(keys, values, index, valid)
+        if delta is not None:
+            keys = rotation.shift(layer_idx, keys, delta)
+        self._set_keys(keys)
+        self.values = values
 
     def _exact_keys(self) -> torch.Tensor:
         """The keys `(batch, kv_heads, kv_length, head_dim)` in the precision they are moved in: float32."""
@@ -413,6 +385,16 @@ class StreamingLayer(_RowsLayer):
         if self.float_keys is not None:
             self.float_keys = function(self.float_keys)
 
+    def trim(self, width: int, memory_slots: int) -> None:
+        """Keep the first `width` slots of every row, and the merge/EMA average only where a row owns
+        `memory_slots`."""
+        if self.is_initialized and self.keys.ndim == 4:
+            self.keys, self.values = self.keys[:, :, :width], self.values[:, :, :width]
+            if self.float_keys is not None:
+                self.float_keys = self.float_keys[:, :, :width]
+        if not memory_slots:
+            self.accumulated = None
+
     def held(self) -> dict[str, torch.Tensor]:
         state = {"keys": self.keys, "values": self.values}
         if self.accumulated is not None and self.accumulated[0].dtype != self.keys.dtype:
@@ -421,20 +403,53 @@ class StreamingLayer(_RowsLayer):
             state["float_keys"] = self.float_keys
         return state
 
-    def restore(self, state: dict[str, torch.Tensor], lengths: dict[str, int]) -> None:
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
         self.lazy_initialization(state["keys"], state["values"])
         self.keys, self.values = state["keys"], state["values"]
-        self.sink_length, self.memory_length, self.window_length = (
-            lengths["sink_length"],
-            lengths["memory_length"],
-            lengths["window_length"],
-        )
         if "accumulated_keys" in state:
             self.accumulated = state["accumulated_keys"], state["accumulated_values"]
         # A file without them (written before they were kept) starts them from the keys it holds.
         self.float_keys = (
             state.get("float_keys", state["keys"].float()) if state["keys"].dtype != torch.float32 else None
         )
+
+
+def _gathered(
+    keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots `index` `(batch, n)` of each row of `keys` and `values` `(batch, kv_heads, length, head_dim)`, zeros
+    where `valid` `(batch, n)` is False."""
+    where = index.to(keys.device)[:, None, :, None]
+    gathered = [tensor.gather(2, where.expand(-1, tensor.shape[1], -1, tensor.shape[-1])) for tensor in (keys, values)]
+    if valid is not None:
+        keep = valid.to(keys.device)[:, None, :, None]
+        gathered = [tensor.masked_fill(~keep, 0) for tensor in gathered]
+    return gathered[0], gathered[1]
+
+
+def _layout(
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Where each row's slots come from when `pieces` are laid out one after the other from slot 0: piece `(start,
+    count, position)` (`(batch,)` long each, on the CPU) is `count` slots from slot `start` of the source, the first
+    of which sits at `position`. Returns, on `device`, `(batch, width)` the source index, the positions each key
+    moves by (None where none moves) and whether the slot is a row's own (None where every row is as long as the
+    longest, `width`)."""
+    ends = torch.stack([count for _, count, _ in pieces], dim=1).cumsum(dim=1)
+    slots = torch.arange(max(ends[:, -1].tolist()))[None]
+    index = torch.zeros(ends.shape[0], slots.shape[1], dtype=torch.long)
+    delta = torch.zeros_like(index)
+    begin = torch.zeros(ends.shape[0], 1, dtype=torch.long)
+    for (start, _, position), end in zip(pieces, ends.unbind(1), strict=True):
+        inside = (slots >= begin) & (slots < end[:, None])
+        offset = slots - begin
+        index = torch.where(inside, start[:, None] + offset, index)
+        delta = torch.where(inside, slots - position[:, None] - offset, delta)
+        begin = end[:, None]
+    # Read on the CPU: no device synchronisation.
+    moved = delta.to(device) if any(delta.flatten().tolist()) else None
+    valid = None if len(set(ends[:, -1].tolist())) == 1 else (slots < begin).to(device)
+    return index.to(device), moved, valid
 
 
 # ----- the cache -------------------------------------------------------------------------------------------------
@@ -467,7 +482,7 @@ class CompressedMemoryCache(Cache):
         layers = (
             [MemoryLayer() for _ in range(spec.num_layers)]
             if streaming is None
-            else [StreamingLayer(streaming.sink_tokens) for _ in range(spec.num_layers)]
+            else [StreamingLayer() for _ in range(spec.num_layers)]
         )
         super().__init__(layers=layers)
         self.spec = spec
@@ -479,8 +494,13 @@ class CompressedMemoryCache(Cache):
         self._know_history(0)
         # Tokens fed since the stream or the current generate() began: what generate() must see as processed.
         self.turn_tokens = 0
-        # Oldest window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first.
-        self.compressed_in_window = 0
+        # Per row of a stream, `(batch, 4)` long on the CPU: its sink, memory and window tokens held, and its oldest
+        # window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first. Rows differ
+        # once a generate() reply of one ended before another's. Read with `tolist()`, which waits for no device.
+        self.stream_lengths = torch.zeros(batch_size, 4 if streaming is not None else 0, dtype=torch.long)
+        # During generate() on a stream: `(batch,)` long, how many of the call's tokens (`turn_tokens`) each row takes,
+        # its prompt and its reply; the rest is the padding of a reply that ended before the others' (None: all).
+        self.row_ends: Callable[[], torch.Tensor | None] | None = None
         # The claimant running calls on this cache and how deeply they nest (None: free); see `transaction`.
         self._user: tuple[_Claimant, int] | None = None
         # The model call running on this cache (None: none); see `running`.
@@ -571,20 +591,38 @@ class CompressedMemoryCache(Cache):
 
     @property
     def sink_length(self) -> int:
-        """Sink tokens held (0 unless streaming)."""
-        return self.layers[0].sink_length if self.streaming is not None else 0
+        """Sink tokens held (the most of any row; 0 unless streaming)."""
+        return self._most_of_a_row(0)
 
     @property
     def window_length(self) -> int:
-        """Window tokens held (0 unless streaming)."""
-        return self.layers[0].window_length if self.streaming is not None else 0
+        """Window tokens held (the most of any row; 0 unless streaming)."""
+        return self._most_of_a_row(2)
+
+    @property
+    def compressed_in_window(self) -> int:
+        """Oldest window tokens already compressed into memory (`StreamingConfig.keep_window_full`; the most of any
+        row; 0 unless streaming)."""
+        return self._most_of_a_row(3)
+
+    def _most_of_a_row(self, column: int) -> int:
+        return max(self.stream_lengths[:, column].tolist()) if self.streaming is not None else 0
 
     @property
     def kv_length(self) -> int:
-        """Physical key/value length of every layer: memory plus turn (streaming: sink, memory and window)."""
+        """Physical key/value length of every layer: memory plus turn (streaming: sink, memory and window of the
+        row that holds the most)."""
         if self.streaming is not None:
-            return self.layers[0].kv_length
+            return max(self.kv_lengths.tolist())
         return self.memory_length + self.turn_length
+
+    @property
+    def kv_lengths(self) -> torch.Tensor:
+        """`(batch,)` long: the key/value slots each row holds in every layer: the memory slots it owns and its real
+        turn tokens (streaming: its sink, memory and window, its first slots, at positions `0..n-1`)."""
+        if self.streaming is not None:
+            return self.stream_lengths[:, :3].sum(dim=1)
+        return (self.rows.memory_mask.sum(dim=1) + self.rows.turn_mask.sum(dim=1)).cpu()
 
     @property
     def max_forward_tokens(self) -> int | None:
@@ -995,7 +1033,7 @@ class CompressedMemoryCache(Cache):
                 layer.fold_average(n, weight)
             owned = rows[:, None].expand(-1, n)
             memory_mask = owned.clone() if self.memory_length == 0 else state.memory_mask | owned
-        _check_finite_memory(self.layers)
+        _check_finite_memory([tensor for layer in self.layers for tensor in layer.memory()])
         known = self._known_history()  # still a bound: the <COMP> tokens leave the history
         # <COMP> tokens take positions but do not advance the logical position (the "skip" scheme).
         self.rows = replace(
@@ -1009,27 +1047,77 @@ class CompressedMemoryCache(Cache):
 
     # ----- streaming ---------------------------------------------------------------------------------------------
     def _prepare_stream_forward(self, new_mask: torch.Tensor, sdpa: bool) -> tuple[torch.Tensor, Any]:
-        """Append the new tokens after everything held, at the next positions; they attend to all of it (sliding
-        layers: see `_attend_stream`)."""
+        """Append the new tokens after each row's own slots, at its next positions; they attend to all of it
+        (sliding layers: see `_stream_mask`). A row whose `generate()` reply ended takes none of those after it
+        (`_stream_counts`)."""
         streaming = self._streaming()
         self.check_unpadded(new_mask)
         new = new_mask.shape[1]
-        layer = self.layers[0]
-        if layer.window_length + layer.window_growth(new) > streaming.window_tokens:
+        counts = self._stream_counts(new)
+        sink, memory, window, compressed = self.stream_lengths.unbind(1)
+        to_sink = torch.minimum(counts, streaming.sink_tokens - sink)
+        if any((window + counts - to_sink > streaming.window_tokens).tolist()):
             raise ValueError(
-                f"{new} new tokens do not fit the streaming window ({layer.window_length} of "
-                f"{streaming.window_tokens} held); run the base model through CCMForCausalLM, which makes room first."
+                f"{new} new tokens do not fit the streaming window ({window.tolist()} of {streaming.window_tokens} "
+                "held); run the base model through CCMForCausalLM, which makes room first."
             )
-        most = self._check_history(new_mask.sum(-1), new)
-        held = layer.kv_length
-        position_ids = torch.arange(held, held + new, device=new_mask.device)[None].expand(self.batch_size, -1)
+        device = new_mask.device
+        most = self._check_history(counts.to(device), new)
+        held = sink + memory + window
+        queries = torch.arange(new)
+        position_ids = (held[:, None] + queries).to(device)
         self.turn_tokens += new
         # A stream's positions are those of what it holds; `next_position` only counts its tokens (`history_tokens`).
-        self.rows = replace(self.rows, next_position=self.rows.next_position + new)
+        self.rows = replace(self.rows, next_position=self.rows.next_position + counts.to(device))
         self._know_history(most)
-        if self._mask_free(sdpa, new):
+        self.stream_lengths = torch.stack([sink + to_sink, memory, window + counts - to_sink, compressed], dim=1)
+        uniform = len(set(held.tolist())) == 1 and set(counts.tolist()) == {new}
+        placement = None
+        if not uniform:  # each row's new tokens right after its own slots
+            after = torch.full_like(held, self._held_width())  # the new tokens follow the longest row's slots
+            index, _, valid = _layout([(torch.zeros_like(held), held, held), (after, counts, held)], device)
+            placement = index, valid
+        for layer in self.layers:
+            layer.placement = placement
+        if uniform and self._mask_free(sdpa, new):
             return position_ids, None
-        return position_ids, self._attend_stream(held, new, new_mask.device)
+        slots = torch.arange(max((held + counts).tolist()))
+        # A row's query sees its own slots and new tokens up to itself; one past the tokens it takes (padding), those.
+        seen = held[:, None] + torch.minimum(queries + 1, counts[:, None])
+        mask = (slots[None, None, :] < seen[:, :, None])[:, None].to(device)
+        return position_ids, self._stream_mask(mask, position_ids, self._key_positions(slots))
+
+    def _held_width(self) -> int:
+        """The length of every layer's keys/values: the most slots a row holds, or more once that row left the
+        batch."""
+        layer = self.layers[0]
+        return layer.keys.shape[2] if layer.is_initialized and layer.keys.ndim == 4 else 0
+
+    def _stream_counts(self, new: int) -> torch.Tensor:
+        """`(batch,)` long on the CPU: how many of the `new` tokens of a forward each row takes, its first ones: all,
+        but none past the end of a `generate()` reply (`row_ends`: those are transformers' padding)."""
+        ends = self.row_ends() if self.row_ends is not None else None
+        if ends is None:
+            return torch.full((self.batch_size,), new, dtype=torch.long)
+        return (ends.cpu() - self.turn_tokens).clamp(min=0, max=new)
+
+    def _key_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """`(batch, len(slots))` long: the positions of the held `slots` (`(n,)` long) of each row, its memory slots
+        at `ALWAYS_VISIBLE`: a sliding window never hides them."""
+        sink, memory = self.stream_lengths[:, 0, None], self.stream_lengths[:, 1, None]
+        in_memory = (slots >= sink) & (slots < sink + memory)
+        return torch.where(in_memory, ALWAYS_VISIBLE, slots[None])
+
+    def _stream_mask(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> Any:
+        """The attention mask of a stream's queries (`mask` `(batch, 1, q, k)` bool): for a model with sliding-window
+        layers (a dict by layer type where it mixes them), those see the sink and window tokens less than their window
+        back, and the memory always, as in a turn (`_prepare_turn_forward`): given the whole stream, they attended far
+        past the window the model was trained with."""
+        window = self.spec.sliding_window
+        if window is None:
+            return mask
+        device = mask.device
+        return window.apply(mask, query_positions.to(device), key_positions.to(device))
 
     def input_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The attention mask that new tokens of a forward keep: a stream takes unpadded input only (checked),
@@ -1061,94 +1149,168 @@ class CompressedMemoryCache(Cache):
             for layer in self.layers:
                 layer.map_rows(torch.Tensor.detach)
 
-    def needs_compression(self, new: int) -> bool:
-        """Whether the oldest chunk of the window must be compressed before `new` tokens fit (never for a
-        non-streaming cache)."""
+    def rows_to_compress(self, new: int) -> torch.Tensor | None:
+        """`(batch,)` bool on the CPU: the rows whose oldest window chunk must be compressed before the `new` tokens
+        of a forward fit; None where none must (and never for a non-streaming cache)."""
         if self.streaming is None or not self.streaming.compress:
-            return False
-        layer = self.layers[0]
-        excess = layer.window_length + layer.window_growth(new) - self.streaming.window_tokens
-        uncompressed = layer.window_length - self.compressed_in_window
-        return excess > self.compressed_in_window and uncompressed >= self.streaming.compress_chunk
+            return None
+        counts = self._stream_counts(new)
+        sink, _, window, compressed = self.stream_lengths.unbind(1)
+        growth = counts - torch.minimum(counts, self.streaming.sink_tokens - sink)
+        excess = window + growth - self.streaming.window_tokens
+        rows = (excess > compressed) & (window - compressed >= self.streaming.compress_chunk)
+        return rows if any(rows.tolist()) else None
 
-    def evict_compressed(self) -> None:
-        """Drop the window tokens already compressed (`StreamingConfig.keep_window_full`), so that the next chunk
-        follows the memory; called before a compression, which happens only once they must all leave."""
-        if self.compressed_in_window:
-            self._drop_oldest(self.compressed_in_window)
+    def evict_compressed(self, rows: torch.Tensor) -> None:
+        """Drop the window tokens of `rows` `(batch,)` bool already compressed (`StreamingConfig.keep_window_full`),
+        so that their next chunk follows the memory; called before a compression, which happens only once they must
+        all leave."""
+        counts = torch.where(rows, self.stream_lengths[:, 3], 0)
+        if any(counts.tolist()):
+            self._drop_oldest(counts)
 
-    def compression_prefix(self) -> tuple[DynamicCache, torch.Tensor, Any]:
-        """What the `<COMP>` tokens of the next compression attend to: sink, memory and the oldest chunk.
+    def compression_prefix(self, rows: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, Any]:
+        """What the `<COMP>` tokens of the next compression of `rows` `(batch,)` bool attend to: each row's sink,
+        memory and oldest chunk (the other rows, whose `<COMP>` tokens are run and dropped, some of their slots).
 
         Returns:
             a `DynamicCache` holding those keys/values (views of this cache's tensors), the `<COMP>` positions
-            `(batch, n_comp)` (right after the chunk) and their attention mask `(batch, 1, n_comp, prefix + n_comp)`
-            (`_attend_stream`).
+            `(batch, n_comp)` (right after each row's chunk) and their attention mask `(batch, 1, n_comp, prefix +
+            n_comp)` (`_stream_mask`).
         """
-        layer = self.layers[0]
-        length = layer.sink_length + layer.memory_length + self._streaming().compress_chunk
+        ends = self._chunk_ends(rows)
+        length = max(ends.tolist())
         prefix = DynamicCache(ddp_cache_data=[layer.prefix(length) for layer in self.layers])
         n = self.config.num_comp_tokens
-        device = layer.keys.device
-        position_ids = torch.arange(length, length + n, device=device)[None].expand(self.batch_size, -1)
-        return prefix, position_ids, self._attend_stream(length, n, device)
+        device = self.layers[0].keys.device
+        comp = torch.arange(n)
+        position_ids = ends[:, None] + comp
+        slots = torch.arange(length)
+        held = (slots[None, :] < ends[:, None])[:, None].expand(-1, n, -1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(self.batch_size, -1, -1)
+        mask = torch.cat([held, causal], dim=-1)[:, None]
+        key_positions = torch.cat([self._key_positions(slots), position_ids], dim=1)
+        return prefix, position_ids.to(device), self._stream_mask(mask.to(device), position_ids, key_positions)
 
-    def _attend_stream(self, held: int, new: int, device: torch.device) -> Any:
-        """The mask of `new` tokens at positions `held..` after the first `held` positions of the stream: `(batch, 1,
-        new, held + new)` bool, every held position and the new ones up to itself (`_attend_held_then_causal`). For a
-        model with sliding-window layers (a dict by layer type where it mixes them), those see the sink and window
-        tokens less than their window back, and the memory always, as in a turn (`_prepare_turn_forward`): given
-        the whole stream, they attended far past the window the model was trained with."""
-        mask = _attend_held_then_causal(self.batch_size, held, new, device)
-        window = self.spec.sliding_window
-        if window is None:
-            return mask
-        layer = self.layers[0]
-        key_positions = torch.arange(held + new, device=device)
-        key_positions[layer.sink_length : layer.sink_length + layer.memory_length] = ALWAYS_VISIBLE
-        query_positions = key_positions[held:][None].expand(self.batch_size, -1)
-        return window.apply(mask, query_positions, key_positions[None].expand(self.batch_size, -1))
+    def _chunk_ends(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(batch,)` long: the end of each row's sink, memory and oldest chunk, where its `<COMP>` tokens go (a row
+        not in `rows` `(batch,)` bool: at most its slots)."""
+        sink, memory, window, _ = self.stream_lengths.unbind(1)
+        ends = sink + memory + self._streaming().compress_chunk
+        return torch.where(rows, ends, torch.minimum(ends, sink + memory + window))
 
-    def fold_chunk(self, prefix: DynamicCache) -> None:
-        """Put the `<COMP>` keys/values just appended to `prefix` into memory, drop the oldest chunk of the
-        window, evict concat memory beyond its cap, and move everything to positions `0..n-1`."""
+    def fold_chunk(self, prefix: DynamicCache, rows: torch.Tensor) -> None:
+        """Put the `<COMP>` keys/values just appended to `prefix` into the memory of `rows` `(batch,)` bool: appended
+        after evicting the oldest slots beyond the cap (concat), or averaged into it in float32 (merge/EMA); drop
+        their oldest window chunk (or keep it, `keep_window_full`, to be evicted as new tokens need room), and move
+        everything to positions `0..n-1`."""
         streaming, rotation, n = self._streaming(), self.rotation, self.config.num_comp_tokens
         assert rotation is not None
-        memory = self.layers[0].memory_length
-        steps = self.rows.steps + 1
-        if self.config.update == "concat":
-            evicted, weight = max(0, memory + n - streaming.max_memory_tokens), None
-        else:
-            evicted, weight = 0, update_coefficient(int(steps[0]), self.config) if memory else 1.0
+        sink, memory, window, compressed = self.stream_lengths.unbind(1)
+        held, source, chunk_end = sink + memory + window, self._held_width(), self._chunk_ends(rows)
+        steps = self.rows.steps + rows.to(self.rows.steps.device)
+        kept = sink + memory
         keep = streaming.keep_window_full
-        for index, (layer, compressed) in enumerate(zip(self.layers, prefix.layers, strict=True)):
-            comp = compressed.keys[:, :, -n:], compressed.values[:, :, -n:]
-            layer.fold_chunk(rotation, index, comp, streaming.compress_chunk, evicted, weight, drop_chunk=not keep)
-        _check_finite_memory(self.layers)
-        self.compressed_in_window = streaming.compress_chunk if keep else 0
-        slots = self.layers[0].memory_length
-        self.rows = replace(
-            self.rows,
-            steps=steps,
-            memory_mask=torch.ones(self.batch_size, slots, dtype=torch.bool, device=self.rows.steps.device),
+        rest = torch.where(rows & (not keep), chunk_end, kept)  # where each row's window goes on from
+        zero = torch.zeros_like(sink)
+        if self.config.update == "concat":
+            evicted = torch.where(rows, (memory + n - streaming.max_memory_tokens).clamp(min=0), 0)
+            added = torch.where(rows, n, 0)
+            slots = memory - evicted + added
+            pieces = [(zero, sink, zero), (sink + evicted, memory - evicted, sink + evicted)]
+            pieces += [(torch.full_like(sink, source), added, chunk_end)]
+            averages: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
+        else:
+            coefficients = [
+                update_coefficient(int(step), self.config) if slots else 1.0
+                for step, slots in zip(steps.tolist(), memory.tolist(), strict=True)
+            ]
+            weight = torch.tensor(coefficients, dtype=torch.float32)
+            slots = torch.where(rows | (memory > 0), n, 0)
+            pieces = [(zero, sink, zero), (torch.full_like(sink, source), slots, sink)]
+            averages = [
+                self._fold_average(layer, index, compressed_layer, rows, weight, chunk_end)
+                for index, (layer, compressed_layer) in enumerate(zip(self.layers, prefix.layers, strict=True))
+            ]
+        pieces.append((rest, held - rest, rest))
+        index, delta, valid = _layout(pieces, self.layers[0].keys.device)
+        for layer_idx, (layer, compressed_layer, average) in enumerate(
+            zip(self.layers, prefix.layers, averages, strict=True)
+        ):
+            extra = average or (compressed_layer.keys[:, :, -n:].float(), compressed_layer.values[:, :, -n:])
+            layer.rearrange(rotation, layer_idx, index, delta, valid, extra)
+            if average is not None:  # zeros for a row without memory
+                layer.accumulated = average
+        window = torch.where(rows & (not keep), window - streaming.compress_chunk, window)
+        compressed = torch.where(rows, streaming.compress_chunk if keep else 0, compressed)
+        self.stream_lengths = torch.stack([sink, slots, window, compressed], dim=1)
+        device = self.rows.steps.device
+        memory_mask = torch.arange(max(slots.tolist()))[None] < slots[:, None]
+        self.rows = replace(self.rows, steps=steps, memory_mask=memory_mask.to(device))
+        _check_finite_memory(self._memory_tensors())
+
+    def _fold_average(
+        self,
+        layer: StreamingLayer,
+        layer_idx: int,
+        compressed: DynamicLayer,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        chunk_end: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 merge/EMA memory `(batch, kv_heads, n, head_dim)` keys and values of one layer after `rows`
+        fold the `<COMP>` keys/values at the end of `compressed` with `weight` `(batch,)` (1 where a row had none);
+        zeros for a row that has none yet. The `<COMP>` keys are moved from after each row's chunk to its memory."""
+        n, rotation = self.config.num_comp_tokens, self.rotation
+        assert rotation is not None
+        sink, memory = self.stream_lengths[:, 0], self.stream_lengths[:, 1]
+        delta = (sink - chunk_end)[:, None].expand(-1, n)
+        new = rotation.shift(layer_idx, compressed.keys[:, :, -n:].float(), delta), compressed.values[:, :, -n:].float()
+        owned = (memory > 0).to(new[1].device)[:, None, None, None]
+        has = (memory > 0)[:, None].expand(-1, n)
+        memory_slots = layer.slots(torch.where(has, sink[:, None] + torch.arange(n), 0), has)
+        old = _float_average(layer.accumulated, memory_slots)
+        assert old is not None
+        a = weight.to(new[1].device)[:, None, None, None]
+        folding = rows.to(new[1].device)[:, None, None, None]
+        return tuple(
+            torch.where(folding, torch.where(owned, (1 - a) * past + a * fresh, fresh), past)
+            for past, fresh in zip(old, new, strict=True)
         )
 
+    def _memory_tensors(self) -> list[torch.Tensor]:
+        """Every layer's memory keys and values, `(batch, kv_heads, memory_length, head_dim)` each, zeros past a
+        row's own slots."""
+        sink, memory = self.stream_lengths[:, 0, None], self.stream_lengths[:, 1, None]
+        slots = torch.arange(self.memory_length)[None]
+        index, valid = torch.where(slots < memory, sink + slots, 0), slots < memory
+        return [tensor for layer in self.layers for tensor in layer.slots(index, valid)]
+
     def evict(self, new: int) -> None:
-        """Drop the oldest window tokens so that `new` more fit (StreamingLLM), moving the rest back."""
+        """Drop each row's oldest window tokens so that its share of `new` more fits (StreamingLLM), moving the rest
+        back."""
         if self.streaming is None:
             return
-        layer = self.layers[0]
-        excess = layer.window_length + layer.window_growth(new) - self.streaming.window_tokens
-        if excess > 0:
+        counts = self._stream_counts(new)
+        sink, _, window, _ = self.stream_lengths.unbind(1)
+        growth = counts - torch.minimum(counts, self.streaming.sink_tokens - sink)
+        excess = (window + growth - self.streaming.window_tokens).clamp(min=0)
+        if any(excess.tolist()):
             self._drop_oldest(excess)
 
-    def _drop_oldest(self, count: int) -> None:
-        """Drop the `count` oldest window tokens of every layer, compressed ones first."""
+    def _drop_oldest(self, counts: torch.Tensor) -> None:
+        """Drop the `counts` `(batch,)` oldest window tokens of each row in every layer, compressed ones first."""
         rotation = self.rotation
         assert rotation is not None
-        for index, layer in enumerate(self.layers):
-            layer.evict(rotation, index, count)
-        self.compressed_in_window = max(0, self.compressed_in_window - count)
+        sink, memory, window, compressed = self.stream_lengths.unbind(1)
+        kept = sink + memory
+        zero = torch.zeros_like(kept)
+        index, delta, valid = _layout(
+            [(zero, kept, zero), (kept + counts, window - counts, kept + counts)], self.layers[0].keys.device
+        )
+        for layer_idx, layer in enumerate(self.layers):
+            layer.rearrange(rotation, layer_idx, index, delta, valid)
+        self.stream_lengths = torch.stack([sink, memory, window - counts, (compressed - counts).clamp(min=0)], dim=1)
 
     # ----- batch operations used by generate() -------------------------------------------------------------------
     def _map_batch(
@@ -1173,8 +1335,19 @@ class CompressedMemoryCache(Cache):
                     "make a new cache with model.new_cache() when there is none left."
                 )
             self.rows = rows
+            self.stream_lengths = function(self.stream_lengths)
             for layer in self.layers:
                 layer.map_rows(function)
+            if self.streaming is not None:
+                self._trim_stream()
+
+    def _trim_stream(self) -> None:
+        """Keep no slot past those of the longest row of a stream, and no memory slot past the most a row owns (rows
+        were selected): as if those rows had been streamed alone."""
+        width, slots = self.kv_length, max(self.stream_lengths[:, 1].tolist())
+        self.rows = replace(self.rows, memory_mask=self.rows.memory_mask[:, :slots])
+        for layer in self.layers:
+            layer.trim(width, slots)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep row `beam_idx[i]` as row i (`(batch,)` long), as beam search does."""
@@ -1244,7 +1417,9 @@ class CompressedMemoryCache(Cache):
                 twin = type(layer).__new__(type(layer))
                 twin.__dict__.update(layer.__dict__)
                 layers.append(twin)
-            return {**self.__dict__, "_user": None, "_call": None, "_forwarding": False, "layers": layers}
+            # Nor the reply ends of a generate() running on this cache, which would keep stopping rows of the copy.
+            state = {**self.__dict__, "_user": None, "_call": None, "_forwarding": False, "row_ends": None}
+            return {**state, "layers": layers}
 
     # ----- checks ------------------------------------------------------------------------------------------------
     def check_signature(self, signature: dict[str, Any]) -> None:
@@ -1310,12 +1485,20 @@ class CompressedMemoryCache(Cache):
                 tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer.held().items()})
         header: dict[str, Any] = {"format_version": MEMORY_FORMAT_VERSION, "signature": self.signature}
         if self.streaming is not None:
-            layer = self.layers[0]
-            state = {name: getattr(layer, name) for name in ("sink_length", "memory_length", "window_length")}
-            header["streaming"] = {
-                "config": asdict(self.streaming),
-                "state": {**state, "turn_tokens": self.turn_tokens, "compressed_in_window": self.compressed_in_window},
+            state = {
+                "sink_length": self.sink_length,
+                "memory_length": self.memory_length,
+                "window_length": self.window_length,
+                "turn_tokens": self.turn_tokens,
+                "compressed_in_window": self.compressed_in_window,
             }
+            lengths = self.stream_lengths
+            # Only where rows differ (one's generate() reply ended first): other files stay readable by earlier
+            # releases. Rows then hold the longest row's length, zeros past their own slots.
+            if not bool((lengths == lengths[0]).all()):
+                tensors["stream_lengths"] = lengths
+                state["kv_length"] = self._held_width()
+            header["streaming"] = {"config": asdict(self.streaming), "state": state}
         # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
         metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
@@ -1368,12 +1551,10 @@ class CompressedMemoryCache(Cache):
             if not state:
                 continue
             state = {name: tensor.to(device) for name, tensor in state.items()}
-            if content.streaming is not None:
-                layer.restore(state, content.stream_state)
-            else:
-                layer.restore(state)
+            layer.restore(state)
         cache.turn_tokens = content.stream_state.get("turn_tokens", 0)
-        cache.compressed_in_window = content.stream_state.get("compressed_in_window", 0)
+        if content.streaming is not None:
+            cache.stream_lengths = content.row_lengths()
         return cache
 
 
@@ -1475,6 +1656,8 @@ class _MemoryFile:
             streaming.validate(self.spec.config, self.spec.max_positions, rotary)
             state = {name: content["state"][name] for name in ("sink_length", "window_length", "turn_tokens")}
             state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
+            if "stream_lengths" in self.tensors:  # rows of different lengths: the longest row's
+                state["kv_length"] = content["state"]["kv_length"]
         except (KeyError, TypeError, ValueError) as error:
             raise self._fail(f"its streaming header is wrong ({error!r})") from None
         if not all(is_int(value) and value >= 0 for value in state.values()):
@@ -1575,11 +1758,21 @@ class _MemoryFile:
         if most is not None and bool((positions > most).any()):
             raise self._fail(f"'next_position' {positions.tolist()} passes the model's {most} positions")
 
+    def row_lengths(self) -> torch.Tensor:
+        """`(batch, 4)` long: each row's sink, memory and window tokens and its window tokens already compressed
+        (`CompressedMemoryCache.stream_lengths`): the file's per-row lengths, or its header's, which every row
+        shares."""
+        if "stream_lengths" in self.tensors:
+            return self.tensors["stream_lengths"]
+        state = self.stream_state
+        row = [state["sink_length"], state["memory_length"], state["window_length"], state["compressed_in_window"]]
+        return torch.tensor([row] * self.batch_size, dtype=torch.long)
+
     def _check_stream_folds(self, mask: torch.Tensor, steps: torch.Tensor) -> None:
-        """Raise unless the stream is laid out as the model leaves one: its rows compress their chunks together and
-        own every memory slot, the slots are what its count of compressed chunks gives (concat: `num_comp_tokens`
-        per chunk, the newest `max_memory_tokens`; merge and EMA: `num_comp_tokens` once one was compressed), and
-        nothing follows the sink before it is full (new tokens would go to the sink, behind the window)."""
+        """Raise unless the stream is laid out as the model leaves one: each row owns its first memory slots, as many
+        as its count of compressed chunks gives (concat: `num_comp_tokens` per chunk, the newest `max_memory_tokens`;
+        merge and EMA: `num_comp_tokens` once one was compressed), its lengths fit the stream's sizes, and nothing
+        follows its sink before it is full (new tokens would go to the sink, behind the window)."""
         config, n, streaming, state = (
             self.spec.config,
             self.spec.config.num_comp_tokens,
@@ -1587,34 +1780,49 @@ class _MemoryFile:
             self.stream_state,
         )
         assert streaming is not None
-        if not bool((steps == steps[0]).all()):
-            raise self._fail(f"its rows are at steps {steps.tolist()}, but the rows of a stream compress together")
-        if not bool(mask.all()):
-            raise self._fail("a row does not own all of its memory slots, as every row of a stream does")
-        step, width = int(steps[0]), mask.shape[1]
+        lengths = self.row_lengths()
+        sink, memory, window, compressed = lengths.unbind(1)
+        if "stream_lengths" in self.tensors:
+            longest = [int(column.max()) for column in (sink, window, compressed)]
+            if (
+                bool((lengths < 0).any())
+                or int((sink + memory + window).max()) != state["kv_length"]
+                or longest != [state["sink_length"], state["window_length"], state["compressed_in_window"]]
+            ):
+                raise self._fail(
+                    f"its rows' lengths 'stream_lengths' {lengths.tolist()} are not those its header gives ({state})"
+                )
+            if bool((sink > streaming.sink_tokens).any() or (window > streaming.window_tokens).any()):
+                raise self._fail(f"its rows' lengths {lengths.tolist()} exceed the sizes {asdict(streaming)}")
+        width = mask.shape[1]
         if config.update == "concat":
             # Clamped first, so that a crafted count cannot overflow.
-            expected = min(min(step, width + 1) * n, streaming.max_memory_tokens)
+            expected = (steps.clamp(max=width + 1) * n).clamp(max=streaming.max_memory_tokens)
         else:
-            expected = n if step > 0 else 0
+            expected = (steps > 0).long() * n
         if not streaming.compress:
-            expected = 0
-        if width != expected:
+            expected = torch.zeros_like(expected)
+        owned = mask.sum(dim=1)
+        if not torch.equal(owned, expected) or width != int(expected.max()):
             raise self._fail(
-                f"it holds {width} memory slots, which {step} compressed chunks cannot give ({config.update}, {n} per "
-                "chunk)"
+                f"its rows own {owned.tolist()} of {width} memory slots, which the chunks they compressed ('steps' "
+                f"{steps.tolist()}) cannot give ({config.update}, {n} per chunk)"
             )
+        if not torch.equal(mask, torch.arange(width)[None] < owned[:, None]) or not torch.equal(memory, owned):
+            raise self._fail("a row's memory slots are not its first ones, as a stream lays them out")
         # Window tokens already compressed (`keep_window_full`) are evicted without a compression of their own: more
         # than the chunk last compressed would drop tokens that no memory slot holds.
-        compressed = state["compressed_in_window"]
-        most = streaming.compress_chunk if streaming.compress and streaming.keep_window_full and step > 0 else 0
-        if compressed > most:
+        kept = streaming.compress_chunk if streaming.compress and streaming.keep_window_full else 0
+        most = torch.where(steps > 0, kept, 0)
+        if bool((compressed > most).any() or (compressed > window).any()):
             raise self._fail(
-                f"its window holds {compressed} tokens already compressed, more than this stream leaves there ({most})"
+                f"its window holds {compressed.tolist()} tokens already compressed, more than this stream leaves there "
+                f"({most.tolist()})"
             )
-        if state["sink_length"] < streaming.sink_tokens and width + state["window_length"] > 0:
+        early = (sink < streaming.sink_tokens) & (memory + window > 0)
+        if bool(early.any()):
             raise self._fail(
-                f"its sink holds {state['sink_length']} of {streaming.sink_tokens} tokens, yet memory or window tokens "
+                f"its sink holds {sink.tolist()} of {streaming.sink_tokens} tokens, yet memory or window tokens "
                 "follow it"
             )
 
@@ -1622,8 +1830,12 @@ class _MemoryFile:
         spec, batch, memory = self.spec, self.batch_size, self.tensors["memory_mask"].shape[1]
         length = memory
         if self.streaming is not None:
-            length = self.stream_state["sink_length"] + memory + self.stream_state["window_length"]
+            state = self.stream_state
+            length = state.get("kv_length", state["sink_length"] + memory + state["window_length"])
         known = {"memory_mask", "next_position", "steps", "rebased"}
+        if self.streaming is not None and "stream_lengths" in self.tensors:
+            self._check_tensor("stream_lengths", torch.long, (batch, 4))
+            known.add("stream_lengths")
         for index in range(spec.num_layers):
             if length == 0:
                 continue
@@ -1665,11 +1877,19 @@ class _MemoryFile:
     def _check_average(self, index: int) -> None:
         """Raise unless layer `index`'s memory is the cast of its float32 average, as the model always leaves it:
         `restore` rebuilds the memory from the average, so a memory that differs would be silently replaced."""
-        start = self.stream_state.get("sink_length", 0)
+        if self.streaming is None:
+            starts = torch.zeros(self.batch_size, dtype=torch.long)
+            owned = torch.ones(self.batch_size, dtype=torch.bool)
+        else:  # each row's memory follows its sink; a row without memory keeps no average
+            lengths = self.row_lengths()
+            starts, owned = lengths[:, 0], lengths[:, 1] > 0
         for part in ("keys", "values"):
             average = self.tensors[f"layers.{index}.accumulated_{part}"]
-            memory = self.tensors[f"layers.{index}.{part}"][:, :, start : start + average.shape[2]]
-            if not torch.equal(memory, average.to(memory.dtype)):
+            held = self.tensors[f"layers.{index}.{part}"]
+            where = (starts[:, None] + torch.arange(average.shape[2]))[:, None, :, None]
+            memory = held.gather(2, where.clamp(max=held.shape[2] - 1).expand(-1, held.shape[1], -1, held.shape[3]))
+            same = (memory == average.to(memory.dtype)).flatten(1).all(dim=1)
+            if not bool((same | ~owned).all()):
                 raise self._fail(
                     f"'layers.{index}.{part}' is not its float32 average 'layers.{index}.accumulated_{part}'"
                 )
@@ -1679,12 +1899,12 @@ class _MemoryFile:
         return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
 
 
-def _check_finite_memory(layers: list[MemoryLayer] | list[StreamingLayer]) -> None:
-    """Raise if a compression just gave memory keys/values that are not finite: attention to a NaN slot gives NaN
-    logits at every later turn, and a saved memory would carry it. Raised inside the call's transaction, which then
-    leaves the cache as it was."""
+def _check_finite_memory(tensors: list[torch.Tensor]) -> None:
+    """Raise if a compression just gave memory keys/values (`tensors`) that are not finite: attention to a NaN slot
+    gives NaN logits at every later turn, and a saved memory would carry it. Raised inside the call's transaction,
+    which then leaves the cache as it was."""
     # One device synchronisation for all layers, not one per tensor.
-    if not bool(torch.stack([torch.isfinite(tensor).all() for layer in layers for tensor in layer.memory()]).all()):
+    if not bool(torch.stack([torch.isfinite(tensor).all() for tensor in tensors]).all()):
         raise ValueError(
             "The compression gave keys/values that are not finite (NaN or inf), which would poison every later turn "
             "of this memory; the cache is left as it was. The model's weights or this turn's inputs hold non-finite "
@@ -1751,13 +1971,6 @@ def _attend_past_then_causal(past: torch.Tensor, new_mask: torch.Tensor) -> torc
     own = torch.ones(new, new, dtype=torch.bool, device=device).tril() & new_mask[:, None, :]
     own = own | torch.eye(new, dtype=torch.bool, device=device)
     return torch.cat([past[:, None, :].expand(-1, new, -1), own], dim=-1)[:, None]
-
-
-def _attend_held_then_causal(batch_size: int, held: int, new: int, device: torch.device) -> torch.Tensor:
-    """`(batch, 1, new, held + new)` bool: every new token sees all `held` positions and the new ones up to itself."""
-    causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.ones(new, held, dtype=torch.bool, device=device), causal], dim=1)
-    return mask[None, None].expand(batch_size, 1, new, held + new)
 
 
 # A crafted file's signature may differ in any number of entries, of any size: the message names the first ones

@@ -799,9 +799,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
             # Rows finished before the others are padded, with ids a reply may hold too: each row's reply length is
             # taken from generate() itself, the step its stopping criteria first stopped it (or its returned beam's).
-            # (A stream holds every token; several sequences per row are not written to the cache.)
+            # A stream takes no token of a row after that step. (Several sequences per row are not written to the
+            # cache.)
             finished = None
-            if not cache.runs_last_generated_token and num_sequences == 1:
+            if num_sequences == 1:
                 if expand == 1:
                     finished, kwargs["stopping_criteria"] = self._finished_rows(settings, kwargs, prompt.device)
                 else:
@@ -813,6 +814,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     run_cache.batch_repeat_interleave(expand)
                 # On the cache generate() runs with: several returned sequences leave the user's cache as it was.
                 run_cache.begin_generation()
+                if cache.runs_last_generated_token and finished is not None:
+                    cache.row_ends = functools.partial(finished.reply_ends, prompt.shape[1])
                 prompts = {"input_ids": input_ids, "inputs_embeds": embeds}
                 with run_cache.forwarding():  # as the base model's forwards require (the copy is free)
                     output = self.base_model.generate(
@@ -835,18 +838,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 # transformers returns the prompt's ids, if it was given them, before the generated ones
                 generated = sequences[:, 0 if input_ids is None else input_ids.shape[1] :]
                 if cache.runs_last_generated_token:  # a stream holds every token, the last generated one included
-                    if expand > 1:  # it takes the returned sequence now: its count starts with it, as a greedy call's
+                    if expand == 1:
+                        self.base_model(input_ids=generated[:, -1:], logits_to_keep=1, **{CACHE_ARGUMENT: cache})
+                    else:  # it takes the returned sequence now: its count starts with it, as a greedy call's
                         cache.begin_generation()
-                    self.base_model(
-                        **(
-                            self._followed_by(name, prompt, generated)
-                            if expand > 1
-                            else {"input_ids": generated[:, -1:]}
-                        ),
-                        logits_to_keep=1,
-                        **{CACHE_ARGUMENT: cache},
-                    )
-                    return output
+                        self._feed_replies(cache, name, prompt, generated, (output.beam_indices >= 0).sum(-1))
+                    cache.row_ends = None
+                    return output if expand == 1 or settings.return_dict_in_generate else sequences
                 if finished is not None:
                     cache.end_generation(generated, finished.reply_lengths(generated))
                     return output
@@ -878,6 +876,24 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # transformers adds its own criteria to those given, but takes a given one of its classes in place of its own
         own = [criterion for criterion in given if type(criterion).__module__ == transformers_criteria.__name__]
         return finished, StoppingCriteriaList([finished, *own])
+
+    def _feed_replies(
+        self,
+        cache: CompressedMemoryCache,
+        name: str,
+        prompt: torch.Tensor,
+        generated: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> None:
+        """Feed a stream `prompt` (`name`: `(batch, len)` input_ids or `(batch, len, hidden)` inputs_embeds) and
+        each row's reply, the first `lengths` `(batch,)` of its `generated` ids `(batch, new)`, in the pieces a row
+        alone is fed in; no row takes the padding after its reply (`row_ends`)."""
+        cache.row_ends = functools.partial(torch.add, lengths, prompt.shape[1])
+        # With neither a pad nor an EOS id, transformers pads a beam that ended before the others with -1, which no
+        # embedding takes; no row takes the padding, so any id does.
+        self.base_model(
+            **self._followed_by(name, prompt, generated.clamp(min=0)), logits_to_keep=1, **{CACHE_ARGUMENT: cache}
+        )
 
     def _followed_by(self, name: str, prompt: torch.Tensor, generated: torch.Tensor) -> dict[str, torch.Tensor]:
         """The forward argument for `prompt` (`name`: `(batch, len)` input_ids or `(batch, len, hidden)`
@@ -1019,9 +1035,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def _make_room(self, cache: CompressedMemoryCache, new: int) -> None:
         """Compress (or, for StreamingLLM, evict) the oldest window tokens of a stream until `new` more fit."""
-        while cache.needs_compression(new):
-            cache.evict_compressed()
-            prefix, position_ids, mask = cache.compression_prefix()
+        while (rows := cache.rows_to_compress(new)) is not None:
+            cache.evict_compressed(rows)
+            prefix, position_ids, mask = cache.compression_prefix(rows)
             batch, n = position_ids.shape
             comp = self.comp_embeddings[None].expand(batch, n, -1).to(self.dtype)
             with self.lora_at(torch.ones(batch, n, dtype=torch.bool, device=self.device)):
@@ -1033,7 +1049,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                     **{CACHE_ARGUMENT: prefix},
                     logits_to_keep=1,
                 )
-            cache.fold_chunk(prefix)
+            cache.fold_chunk(prefix, rows)
         cache.evict(new)
 
     # ----- identity -----------------------------------------------------------------------------------------
@@ -1389,6 +1405,14 @@ class _FinishedRows(StoppingCriteria):
         lengths = torch.zeros_like(done, dtype=torch.long) if self.lengths is None else self.lengths
         self.lengths = torch.where((lengths == 0) & done, self.steps, lengths)
         return done
+
+    def reply_ends(self, prompt_length: int) -> torch.Tensor | None:
+        """`(batch,)` long: how many tokens of a `generate()` call each row takes, its prompt of `prompt_length` and
+        its reply, those after it being padding (a row not stopped: all); None before the first stop."""
+        if self.lengths is None:
+            return None
+        running = torch.full_like(self.lengths, torch.iinfo(torch.long).max // 2)
+        return torch.where(self.lengths == 0, running, prompt_length + self.lengths)
 
     def reply_lengths(self, generated: torch.Tensor) -> torch.Tensor:
         """`(batch,)` each row's reply length in `generated` `(batch, new)`: all of it for a row never stopped, or

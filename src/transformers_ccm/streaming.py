@@ -205,18 +205,3 @@ class KeyRotation:
         rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
         rotated = rotated * angles.cos() + _rotate_half(rotated) * angles.sin()
         return torch.cat([rotated.to(keys.dtype), rest], dim=-1)
-
-    def relocate(self, layer_idx: int, pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        """Concatenate key pieces `(batch, kv_heads, len_i, head_dim)` into consecutive positions from 0.
-
-        Each piece comes with the position its first slot had; it is re-rotated by the difference.
-        """
-        deltas, start = [], 0
-        for keys, old_start in pieces:
-            deltas.append(torch.full((keys.shape[2],), start - old_start, dtype=torch.long))
-            start += keys.shape[2]
-        delta = torch.cat(deltas)
-        keys = torch.cat([keys for keys, _ in pieces], dim=2)
-        if not delta.any():
-            return keys
-        return self.shift(layer_idx, keys, delta)
