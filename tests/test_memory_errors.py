@@ -682,6 +682,7 @@ def test_a_memory_that_loads_keeps_a_true_count_of_its_history_through_later_tur
     except ValueError as error:
         assert str(path) in str(error)
         return
+    assert (cache.history_tokens - cache.next_position).tolist() == rebased  # the count the file holds, not 0
     before = cache.history_tokens.clone()
     try:
         model.compress(cache, torch.tensor([[5, 6, 7, 8]] * 2))
