@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ccm_reference import reference_logits
@@ -250,6 +250,35 @@ def test_samples_past_learned_absolute_positions_are_refused_naming_the_sample(t
         with pytest.raises(ValueError, match=r"samples\[1\] reaches position 512"):
             train(gpt2, None, [fits, too_long], None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2))
         assert not (tmp_path / "run").exists()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    total=st.integers(500, 512),
+    split=st.integers(0, 1),
+    input_length=st.integers(1, 4),
+    output_length=st.none() | st.integers(0, 4),
+    n=st.integers(1, 3),
+)
+@example(total=511, split=0, input_length=1, output_length=None, n=2)  # the block alone reaches position 512
+@example(total=510, split=1, input_length=1, output_length=0, n=2)  # the last position the model has
+def test_a_comp_block_past_learned_absolute_positions_is_refused(total, split, input_length, output_length, n):
+    """The <COMP> block after the last context takes the positions after it, beyond a short input and output: a
+    sample whose block alone passed GPT-2's 512 positions was collated, and failed inside the embedding."""
+    contexts = [total] if split == 0 else [total // 2, total - total // 2]
+    gpt2 = tiny_ccm("gpt2", num_comp_tokens=n)
+    output = None if output_length is None else [7] * output_length
+    sample = OnlineSample([[5] * length for length in contexts], [6] * input_length, output)
+    last = max(sum(contexts) + input_length + (output_length or 0), sum(contexts) + n) - 1
+    collate = CCMDataCollator(gpt2)
+    if last > 511:
+        with pytest.raises(ValueError, match=rf"samples\[0\] reaches position {last}, past the model's 512 learned"):
+            collate([sample])
+        return
+    batch = collate([sample])
+    assert int(batch["position_ids"].max()) == last
+    with torch.no_grad():
+        gpt2(**batch)
 
 
 def test_a_pad_token_id_the_model_cannot_embed_is_refused_and_none_pads_with_zero():
