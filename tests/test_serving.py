@@ -40,6 +40,7 @@ from transformers_ccm import (
     StreamingConfig,
     modeling,
 )
+from transformers_ccm.identity import _CHUNK, weights_fingerprint
 from transformers_ccm.lora import lora_layers
 
 CONTEXTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -1478,6 +1479,32 @@ def test_a_single_changed_base_weight_changes_the_fingerprint():
     with torch.no_grad():
         model.base_model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-3
     assert model.memory_signature()["base_fingerprint"] != before
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.lists(st.integers(0, 31), min_size=2, max_size=2, unique=True))
+def test_base_weights_moved_to_other_rows_change_the_fingerprint(tmp_path_factory, rows):
+    """The fingerprint sums each weight's raw bits plain and weighted by the row of 64 they sit in: rows of a weight
+    swapped (heads or channels permuted) keep the plain sum, and a memory of the other model loaded."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    path = tmp_path_factory.mktemp("swap") / "user.safetensors"
+    _filled(model).save(path)
+    down = model.base_model.model.layers[0].mlp.down_proj.weight  # (32, 64): one row of 64 per output channel
+    assert down.shape[1] == 64
+    with torch.no_grad():
+        down[rows] = down[rows[::-1]].clone()
+    with pytest.raises(ValueError, match=r"another model or adapter \(base_fingerprint: [^,]*\); load it"):
+        CompressedMemoryCache.load(path, model)
+
+
+def test_rows_moved_between_chunks_of_a_large_weight_change_the_fingerprint():
+    """A weight of more than one chunk is summed chunk by chunk: its rows are weighted by their place in the whole
+    weight, so that rows at the same place in two chunks are told apart."""
+    rows = 2 * _CHUNK // 64
+    weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+    moved = weight.clone()
+    moved[[5, 5 + rows // 2]] = weight[[5 + rows // 2, 5]]
+    assert weights_fingerprint([("w", moved)]) != weights_fingerprint([("w", weight)])
 
 
 # ----- numerics and bounds ---------------------------------------------------------------------------------------
