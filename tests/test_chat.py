@@ -155,7 +155,10 @@ def test_full_context_chat_reads_the_whole_conversation(tokenizer, conditional_l
         end = chat._end_of_turn
         reply_ids = reply_ids[: reply_ids.index(end)] if end in reply_ids else reply_ids
         assert chat.turn(message) == tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
-        assert chat.history[: len(history)] == history and chat.history_tokens == len(chat.history) > len(history)
+        # The exchange as the template closes it, whether the reply reached its end token or max_new_tokens.
+        assert chat.history == history + reply_ids + [end, *chat._after_reply]
+        assert tokenizer.decode(chat.history).endswith(chat.format.end_of_reply)
+        assert chat.history_tokens == len(chat.history)
         history = list(chat.history)
     with pytest.raises(ValueError, match="message is empty"):
         chat.turn("  ")
