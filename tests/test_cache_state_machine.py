@@ -207,8 +207,8 @@ class CacheMachine(MachineWithFiles):
         cache, before = self.caches[index], snapshot(self.caches[index])
         try:
             apply(self.model, cache, op)
-        except ValueError:
-            pass
+        except ValueError as error:  # refused for the id itself, not for another reason that happened to apply
+            assert f"holds the token id {bad}, outside the model's vocabulary" in str(error), (op, error)
         else:
             raise AssertionError(f"{op} was not refused")
         assert_same(snapshot(cache), before, f"cache {index} after a refused {op}")
@@ -223,10 +223,17 @@ class CacheMachine(MachineWithFiles):
             "1-D prompt": lambda: model.generate(torch.tensor([5, 6]), past_key_values=cache, max_new_tokens=2),
             "crop": lambda: cache.crop(1),
         }
+        # What each refusal says: another ValueError (an unfolded turn, say) would leave its own check untested.
+        messages = {
+            "empty context": "context_ids is empty",
+            "two rows": "has batch size 2 but the cache holds 1 rows",
+            "1-D prompt": "must be 2-D (batch, len)",
+            "crop": "cannot be cropped",
+        }
         try:
             calls[kind]()
-        except ValueError:
-            pass
+        except ValueError as error:
+            assert messages[kind] in str(error), (kind, error)
         else:
             raise AssertionError(f"{kind} was not refused")
         assert_same(snapshot(cache), before, f"cache {index} after a refused {kind}")
