@@ -276,6 +276,23 @@ def test_similar_length_batches_hold_every_sample_once_longest_first(lengths, ba
     assert all(high <= low for (_, high), (low, _) in itertools.pairwise(ranges))
 
 
+def test_each_epoch_draws_its_own_batches_and_a_resumed_run_draws_them_again():
+    """The Trainer sets the epoch before each pass: every pass holds every sample once in batches drawn anew (the
+    same order every epoch trains on the same batches in the same order), and a fresh sampler set to an epoch, as in a
+    run resumed there, draws what the first run drew in it."""
+    lengths = [(7 * index) % 97 + 1 for index in range(200)]
+    sampler = SimilarLengthSampler(lengths, 4, seed=3, group=5)
+    passes = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        passes.append(sampler.batches())
+        assert sorted(index for batch in passes[-1] for index in batch) == list(range(len(lengths)))
+        resumed = SimilarLengthSampler(lengths, 4, seed=3, group=5)
+        resumed.set_epoch(epoch)
+        assert resumed.batches() == passes[-1]
+    assert passes[0] != passes[1] != passes[2] != passes[0]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 300), min_size=1, max_size=150),
