@@ -1028,7 +1028,7 @@ def test_labels_that_do_not_fit_a_streamed_input_leave_the_stream_as_it_was(tmp_
     )
     model(input_ids=torch.tensor([list(range(3, 15))]), past_key_values=cache)
     before = _saved_bytes(cache, tmp_path / "before.safetensors")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 3\) but the input \(1, 27\); give one label"):
         model(
             input_ids=torch.tensor([list(range(3, 30))]),
             labels=torch.ones(1, 3, dtype=torch.long),
