@@ -12,6 +12,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from tiny_models import tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.cli import main
 
@@ -309,6 +310,18 @@ def test_train_on_long_text_then_stream_eval(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["stream-eval", "--model", tiny_model, "--adapter", adapter, "--text-file", str(tmp_path / "none.txt")])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_stream_eval_refuses_an_adapter_acting_everywhere_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Its StreamingLLM baseline turns the adapter off, which a LoRA at every position cannot be on a stream: the run
+    failed only once CCM's stream was scored, blaming an adapter_disabled() context it never entered."""
+    monkeypatch.chdir(tmp_path)
+    tiny_full_context_baseline(seed=1).save_pretrained(tmp_path / "full")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream-eval", "--model", "no-model", "--adapter", "full", "--output-dir", "out", *STREAM_EVAL.split()])
+    assert exit_info.value.code == 2
+    assert "acts at every position (conditional_lora=False)" in capsys.readouterr().err
+    assert not Path("out").exists()
 
 
 @pytest.mark.parametrize(

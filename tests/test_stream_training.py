@@ -224,6 +224,24 @@ def test_stream_evaluation_refuses_what_it_would_misread():
         stream_nll(tiny_ccm("llama"), torch.arange(3, 40), None)
 
 
+@pytest.mark.parametrize("ablation", [False, True])
+def test_streamingllm_of_an_adapter_acting_everywhere_is_refused_naming_the_adapter(ablation):
+    """StreamingLLM is scored with the adapter off, which a LoRA at every position (the unconditional ablation, or a
+    full-context adapter) cannot be on a stream it fills: it failed on a model call, blaming an adapter_disabled()
+    context the caller never entered. It is refused up front; CCM's own stream of such an adapter still scores."""
+    model = (
+        randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(conditional_lora=False)))
+        if ablation
+        else tiny_full_context_baseline(seed=1)
+    )
+    ids = torch.arange(3, 40)
+    with pytest.raises(ValueError, match=r"acts at every position \(conditional_lora=False\).*compression adapter"):
+        stream_nll(model, ids, SMALL.same_size_baseline(model.config), piece=5)
+    assert len(stream_nll(model, ids, SMALL, piece=5).token_nll) == 36
+    baseline = stream_nll(tiny_ccm("llama"), ids, SMALL.same_size_baseline(model.config), piece=5)
+    assert len(baseline.token_nll) == 36
+
+
 @given(length=st.integers(min_value=2, max_value=30), piece=st.integers(min_value=1, max_value=12))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_stream_no_longer_than_its_budget_has_no_perplexity_after_it(length, piece):

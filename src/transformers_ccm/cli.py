@@ -685,7 +685,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     import torch
 
     from transformers_ccm.hub import read_adapter, resolve_adapter
-    from transformers_ccm.stream_evaluation import plot_stream, stream_nll
+    from transformers_ccm.stream_evaluation import check_scorable, plot_stream, stream_nll
     from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
 
@@ -713,8 +713,11 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         max_memory_tokens=args.max_memory_tokens,
         keep_window_full=args.keep_window_full,
     )
-    # The sizes against the adapter's own settings before its model loads; the model's positions once it has.
-    ccm.validate(read_adapter(resolve_adapter(args.adapter))[0], None)
+    # The sizes against the adapter's own settings before its model loads; the model's positions once it has. The
+    # baseline too: it failed only once CCM's stream was scored.
+    adapter_config = read_adapter(resolve_adapter(args.adapter))[0]
+    ccm.validate(adapter_config, None)
+    check_scorable(adapter_config, ccm.same_size_baseline(adapter_config))
     model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
     if ids.shape[0] < 2:

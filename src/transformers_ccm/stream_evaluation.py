@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from transformers_ccm.config import CCMConfig
 from transformers_ccm.extras import pyplot
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
@@ -69,6 +70,7 @@ def stream_nll(
         raise ValueError(f"ids must be one stream of at least 2 tokens, got shape {tuple(ids.shape)}.")
     # range() would refuse 0 with its own words, and a negative piece scores nothing at all.
     _check_positive(piece, "piece")
+    check_scorable(model.config, streaming)
     cache = model.new_cache(1, streaming=streaming)
     ids = ids.to(model.device)
     token_nll: list[float] = []
@@ -81,6 +83,18 @@ def stream_nll(
             token_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="none").tolist()
             kv_held.append(cache.kv_length)
     return StreamResult(method, streaming, streaming.max_kv_length(model.config), token_nll, kv_held, piece)
+
+
+def check_scorable(config: CCMConfig, streaming: StreamingConfig) -> None:
+    """Raise unless `stream_nll` can score `streaming` with an adapter of `config`: StreamingLLM (no compression) is
+    the base model's own, and a LoRA that acts at every position (`conditional_lora=False`) cannot be turned off on
+    a stream it fills (its keys/values would be held under the adapter's signature)."""
+    if not streaming.compress and not config.conditional_lora:
+        raise ValueError(
+            "StreamingLLM (a stream without compression) scores the base model alone, but this adapter's LoRA acts at "
+            "every position (conditional_lora=False) and cannot be turned off on its stream; score it with a "
+            "compression adapter (conditional_lora=True) of the same base model."
+        )
 
 
 def bucket_perplexity(token_nll: Sequence[float], bucket: int) -> list[float]:
