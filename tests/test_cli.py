@@ -472,15 +472,18 @@ def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adap
         assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
-def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path):
+def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path, capsys):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))
     arguments = ["eval", "--model", tiny_model, "--device", "cpu", "--tasks", "icl", "--steps", "1", "--samples", "2"]
     main([*arguments, "--adapters", adapter, str(second), "--output-dir", str(tmp_path / "out")])
     methods = {row["method"] for row in json.loads((tmp_path / "out" / "eval.json").read_text())["results"]}
     assert methods == {"no_context", "full_context", f"ccm-concat:{adapter}", f"ccm-concat:{second}"}
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main([*arguments, "--adapters", adapter, adapter, "--output-dir", str(tmp_path / "again")])
+    assert exit_info.value.code == 2
+    assert "--adapters names an adapter more than once" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
 
 
 def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path, capsys):
