@@ -39,9 +39,11 @@ def test_sharing_round_trip(capsys):
 
 def test_streaming_stays_within_the_budget(capsys):
     runpy.run_path(str(EXAMPLES / "streaming.py"), run_name="__main__")
-    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
     assert lines[0].startswith("CCM-concat   budget 160 positions: held at most 160 over 2010 tokens (8 memory slots")
     assert lines[1].startswith("StreamingLLM budget 160 positions: held at most 160 over 2010 tokens (0 memory slots")
+    # The row stopped first takes none of the padding after its reply.
+    assert lines[2] == "replies of 50 and 300 tokens: streams took [60, 310] tokens and hold [60, 160] positions"
 
 
 def test_serving_from_threads_matches_one_by_one(capsys):
