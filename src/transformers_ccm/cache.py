@@ -1053,10 +1053,9 @@ class CompressedMemoryCache(Cache):
         streaming = self._streaming()
         self.check_unpadded(new_mask)
         new = new_mask.shape[1]
-        counts = self._stream_counts(new)
+        counts, to_sink, excess = self._stream_growth(new)
         sink, memory, window, compressed = self.stream_lengths.unbind(1)
-        to_sink = torch.minimum(counts, streaming.sink_tokens - sink)
-        if any((window + counts - to_sink > streaming.window_tokens).tolist()):
+        if any((excess > 0).tolist()):
             raise ValueError(
                 f"{new} new tokens do not fit the streaming window ({window.tolist()} of {streaming.window_tokens} "
                 "held); run the base model through CCMForCausalLM, which makes room first."
@@ -1092,6 +1091,16 @@ class CompressedMemoryCache(Cache):
         batch."""
         layer = self.layers[0]
         return layer.keys.shape[2] if layer.is_initialized and layer.keys.ndim == 4 else 0
+
+    def _stream_growth(self, new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(batch,)` long each, on the CPU, for the `new` tokens of a forward: how many each row takes
+        (`_stream_counts`), how many of those fill its sink, and how far its window would then pass `window_tokens`
+        (negative: room left)."""
+        streaming = self._streaming()
+        counts = self._stream_counts(new)
+        sink, _, window, _ = self.stream_lengths.unbind(1)
+        to_sink = torch.minimum(counts, streaming.sink_tokens - sink)
+        return counts, to_sink, window + counts - to_sink - streaming.window_tokens
 
     def _stream_counts(self, new: int) -> torch.Tensor:
         """`(batch,)` long on the CPU: how many of the `new` tokens of a forward each row takes, its first ones: all,
@@ -1154,10 +1163,8 @@ class CompressedMemoryCache(Cache):
         of a forward fit; None where none must (and never for a non-streaming cache)."""
         if self.streaming is None or not self.streaming.compress:
             return None
-        counts = self._stream_counts(new)
-        sink, _, window, compressed = self.stream_lengths.unbind(1)
-        growth = counts - torch.minimum(counts, self.streaming.sink_tokens - sink)
-        excess = window + growth - self.streaming.window_tokens
+        _, _, excess = self._stream_growth(new)
+        _, _, window, compressed = self.stream_lengths.unbind(1)
         rows = (excess > compressed) & (window - compressed >= self.streaming.compress_chunk)
         return rows if any(rows.tolist()) else None
 
@@ -1291,10 +1298,7 @@ class CompressedMemoryCache(Cache):
         back."""
         if self.streaming is None:
             return
-        counts = self._stream_counts(new)
-        sink, _, window, _ = self.stream_lengths.unbind(1)
-        growth = counts - torch.minimum(counts, self.streaming.sink_tokens - sink)
-        excess = (window + growth - self.streaming.window_tokens).clamp(min=0)
+        excess = self._stream_growth(new)[2].clamp(min=0)
         if any(excess.tolist()):
             self._drop_oldest(excess)
 
