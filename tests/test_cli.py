@@ -12,7 +12,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from tiny_models import tiny_full_context_baseline
+from tiny_models import tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm.cli import main
 
@@ -321,6 +321,20 @@ def test_stream_eval_refuses_an_adapter_acting_everywhere_before_the_model_loads
         main(["stream-eval", "--model", "no-model", "--adapter", "full", "--output-dir", "out", *STREAM_EVAL.split()])
     assert exit_info.value.code == 2
     assert "acts at every position (conditional_lora=False)" in capsys.readouterr().err
+    assert not Path("out").exists()
+
+
+def test_stream_eval_refuses_a_cap_above_the_adapters_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The stream's cap (8 unless given) was used whatever the adapter's: its memory held more slots than the adapter
+    was made to read."""
+    monkeypatch.chdir(tmp_path)
+    tiny_ccm("llama", max_memory_tokens=3).save_pretrained(tmp_path / "capped")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream-eval", "--model", "no-model", "--adapter", "capped", "--output-dir", "out", *STREAM_EVAL.split()])
+    assert exit_info.value.code == 2
+    assert "StreamingConfig.max_memory_tokens (4) exceeds the adapter's CCMConfig.max_memory_tokens (3)" in (
+        capsys.readouterr().err
+    )
     assert not Path("out").exists()
 
 

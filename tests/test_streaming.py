@@ -94,7 +94,7 @@ def test_a_half_precision_window_key_moved_token_by_token_is_rounded_once(dtype)
 def stream_logits(model, config, ids, piece):
     """Feed `ids` `(batch, len)` in pieces of `piece` tokens through a streaming cache and the reference."""
     cache = model.new_cache(ids.shape[0], streaming=config)
-    reference = ReferenceStream(model, config)
+    reference = ReferenceStream(model, cache.streaming)  # the sizes the stream took (its adapter's cap where None)
     ours, theirs = [], []
     with torch.no_grad():
         for chunk in ids.split(piece, dim=1):
@@ -147,6 +147,42 @@ def test_ccm_stream_equals_compress_then_evict_reference(
     ids = torch.randint(3, VOCAB, (2, length))
     ours, theirs = stream_logits(model, config, ids, min(piece, config.max_forward_tokens))
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_comp_tokens=st.integers(1, 2),
+    slots=st.integers(0, 3),
+    below=st.integers(0, 3),
+    piece=st.integers(1, 3),
+    length=st.integers(1, 40),
+)
+def test_a_stream_keeps_its_adapter_cap_unless_given_a_smaller_one(num_comp_tokens, slots, below, piece, length):
+    """A stream took StreamingConfig's cap (8) whatever its adapter's: it held more memory slots than the adapter was
+    made to read."""
+    cap = num_comp_tokens + slots
+    model = tiny_ccm("llama", num_comp_tokens=num_comp_tokens, max_memory_tokens=cap)
+    default = StreamingConfig(window_tokens=6, sink_tokens=1, compress_chunk=3)
+    smaller = replace(default, max_memory_tokens=max(cap - below, num_comp_tokens))
+    for config, held in ((default, cap), (smaller, smaller.max_memory_tokens)):
+        assert config.max_kv_length(model.config) == 1 + held + 6
+        assert model.new_cache(1, streaming=config).streaming == replace(default, max_memory_tokens=held)
+        ids = torch.randint(3, VOCAB, (2, length))
+        ours, theirs = stream_logits(model, config, ids, piece)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cap", [5, 8])
+def test_a_stream_cap_above_its_adapter_cap_is_refused(cap):
+    model = tiny_ccm("llama", num_comp_tokens=2, max_memory_tokens=4)
+    with pytest.raises(
+        ValueError,
+        match=rf"StreamingConfig.max_memory_tokens \({cap}\) exceeds the adapter's CCMConfig.max_memory_tokens "
+        r"\(4\).* at most 4, or to None",
+    ):
+        model.new_cache(1, streaming=replace(SMALL, max_memory_tokens=cap))
+    # Without compression the stream holds no memory: any cap goes.
+    model.new_cache(1, streaming=replace(SMALL, max_memory_tokens=cap, compress=False))
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -486,7 +486,8 @@ class CompressedMemoryCache(Cache):
         )
         super().__init__(layers=layers)
         self.spec = spec
-        self.streaming = streaming
+        # Its memory cap resolved (`StreamingConfig.for_adapter`): what fold_chunk evicts to and a saved file records.
+        self.streaming = None if streaming is None else streaming.for_adapter(spec.config)
         self.rows = RowState.empty(batch_size)
         # The most tokens a row has taken in (`history_tokens`) or more, with the counters it holds for (see
         # `_known_history`).
@@ -1658,6 +1659,7 @@ class _MemoryFile:
             streaming = StreamingConfig(**{"keep_window_full": False, **content["config"]})
             rotary = None if self.spec.rotation is None else self.spec.rotation.max_positions
             streaming.validate(self.spec.config, self.spec.max_positions, rotary)
+            streaming = streaming.for_adapter(self.spec.config)
             state = {name: content["state"][name] for name in ("sink_length", "window_length", "turn_tokens")}
             state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
             if "stream_lengths" in self.tensors:  # rows of different lengths: the longest row's

@@ -741,7 +741,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "text": args.text_file or f"held-out Python reference topics (pydoc_data, Python {platform.python_version()})",
         "tokens": int(ids.shape[0]),
         "adapter": args.adapter,
-        "streaming": asdict(ccm),
+        "streaming": asdict(ccm.for_adapter(model.config)),  # its memory cap as it streamed
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
     with made_folder(output, "choose another --output-dir."):
@@ -1102,7 +1102,12 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--window-tokens", type=int, default=148, help="recent tokens kept as they are")
     stream.add_argument("--sink-tokens", type=int, default=4, help="first tokens kept for ever")
     stream.add_argument("--compress-chunk", type=int, default=32, help="tokens compressed at once")
-    stream.add_argument("--max-memory-tokens", type=int, default=8, help="concat memory cap, oldest evicted first")
+    stream.add_argument(
+        "--max-memory-tokens",
+        type=int,
+        default=None,
+        help="concat memory cap, oldest evicted first (default: 8, or the adapter's own cap where it has one)",
+    )
     _add_keep_window_full(stream)
     stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
     stream.add_argument(

@@ -82,6 +82,9 @@ def stream_nll(
             logits = model(input_ids=tokens[None], past_key_values=cache).logits[0, : targets.shape[0]].float()
             token_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="none").tolist()
             kv_held.append(cache.kv_length)
+    assert cache.streaming is not None
+    # The sizes the stream took (its memory cap resolved), as the report records them.
+    streaming = cache.streaming
     return StreamResult(method, streaming, streaming.max_kv_length(model.config), token_nll, kv_held, piece)
 
 

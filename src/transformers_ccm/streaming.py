@@ -19,6 +19,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.validation import is_int
 
+# The cap on a stream's concat memory when neither the stream nor its adapter sets one (the paper's 8 slots).
+_DEFAULT_MEMORY_TOKENS = 8
+
 
 @dataclass(frozen=True)
 class StreamingConfig:
@@ -30,8 +33,10 @@ class StreamingConfig:
         compress_chunk: tokens compressed at once, into the adapter's `num_comp_tokens` slots (paper: 64 into
             2); the shipped stream adapter is trained for 32. With `keep_window_full=False` a compression
             empties the window by this many tokens (the paper's 64 leave 84 of 148).
-        max_memory_tokens: cap on concat memory, whose oldest slots are evicted first (paper: 8). Merge and
-            EMA memory always holds `num_comp_tokens` slots.
+        max_memory_tokens: cap on concat memory, whose oldest slots are evicted first (paper: 8). None: the
+            adapter's own cap (`CCMConfig.max_memory_tokens`), or 8 where it has none; a cap above the adapter's is
+            refused (its memory would hold more slots than the adapter was made to read). Merge and EMA memory
+            always holds `num_comp_tokens` slots.
         compress: False drops the overflowing tokens instead (the StreamingLLM baseline; no `<COMP>` runs).
         keep_window_full: compress the oldest chunk when its first token must leave the window, but evict its
             tokens only as new ones need room, so the window stays at `window_tokens` (the budget stays full) and
@@ -42,15 +47,27 @@ class StreamingConfig:
     window_tokens: int = 148
     sink_tokens: int = 4
     compress_chunk: int = 32
-    max_memory_tokens: int = 8
+    max_memory_tokens: int | None = None
     compress: bool = True
     keep_window_full: bool = True
+
+    def for_adapter(self, ccm_config: CCMConfig) -> StreamingConfig:
+        """These sizes with the concat memory cap a stream of an adapter of `ccm_config` takes: `max_memory_tokens`,
+        or where it is None the adapter's own cap (8 where it has none). A stream holds these (`cache.streaming`)."""
+        if self.max_memory_tokens is not None:
+            return self
+        cap = ccm_config.max_memory_tokens
+        return replace(self, max_memory_tokens=_DEFAULT_MEMORY_TOKENS if cap is None else cap)
 
     def memory_slots(self, ccm_config: CCMConfig) -> int:
         """Memory slots held once the memory is full."""
         if not self.compress:
             return 0
-        return self.max_memory_tokens if ccm_config.update == "concat" else ccm_config.num_comp_tokens
+        if ccm_config.update != "concat":
+            return ccm_config.num_comp_tokens
+        cap = self.for_adapter(ccm_config).max_memory_tokens
+        assert cap is not None
+        return cap
 
     def max_kv_length(self, ccm_config: CCMConfig) -> int:
         """The most positions a layer ever holds: sink + memory + window."""
@@ -72,8 +89,9 @@ class StreamingConfig:
         # mean something else) later, inside a forward.
         for name in ("window_tokens", "compress_chunk", "max_memory_tokens"):
             value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"StreamingConfig.{name} must be a positive integer, got {value!r}.")
+            if not (is_int(value) and value >= 1) and not (name == "max_memory_tokens" and value is None):
+                none = " (or None for the adapter's own cap)" if name == "max_memory_tokens" else ""
+                raise ValueError(f"StreamingConfig.{name} must be a positive integer, got {value!r}{none}.")
         if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"StreamingConfig.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}.")
         for name in ("compress", "keep_window_full"):
@@ -86,19 +104,27 @@ class StreamingConfig:
                 f"({self.compress_chunk}): the window must hold a whole chunk before it is compressed. Raise "
                 "window_tokens or lower compress_chunk."
             )
-        if self.compress and ccm_config.update == "concat" and self.max_memory_tokens < n:
+        slots = self.memory_slots(ccm_config)
+        if self.compress and ccm_config.update == "concat" and slots < n:
             raise ValueError(
-                f"StreamingConfig.max_memory_tokens ({self.max_memory_tokens}) cannot hold one compressed chunk "
-                f"({n} <COMP> slots); set it to at least {n}."
+                f"StreamingConfig.max_memory_tokens ({slots}) cannot hold one compressed chunk ({n} <COMP> slots); set "
+                f"it to at least {n}."
+            )
+        adapter_cap = ccm_config.max_memory_tokens
+        if self.compress and adapter_cap is not None and slots > adapter_cap:  # concat: the only rule with a cap
+            raise ValueError(
+                f"StreamingConfig.max_memory_tokens ({slots}) exceeds the adapter's CCMConfig.max_memory_tokens "
+                f"({adapter_cap}): the stream's memory would hold more slots than the adapter was made to read. Set "
+                f"StreamingConfig.max_memory_tokens to at most {adapter_cap}, or to None for the adapter's own cap."
             )
         # The <COMP> tokens of a compression sit right after their chunk, up to n - 1 positions past the cap.
         highest = self.max_kv_length(ccm_config) + (n if self.compress else 0)
         # The setting to lower is the largest of those that add up: a large cap was refused asking for a smaller window.
         sizes = {"sink_tokens": self.sink_tokens, "window_tokens": self.window_tokens}
         if self.compress and ccm_config.update == "concat":
-            sizes["max_memory_tokens"] = self.max_memory_tokens
+            sizes["max_memory_tokens"] = slots
         largest = max(sizes, key=sizes.__getitem__)
-        terms = (self.sink_tokens, self.memory_slots(ccm_config), self.window_tokens, *((n,) if self.compress else ()))
+        terms = (self.sink_tokens, slots, self.window_tokens, *((n,) if self.compress else ()))
         total = (
             f"sink_tokens + memory + window_tokens{' + num_comp_tokens' if self.compress else ''} = "
             f"{' + '.join(map(str, terms))} = {highest}"

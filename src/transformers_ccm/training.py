@@ -410,7 +410,7 @@ def train(
         callbacks=None if stop_at_step is None else [_StopAtStep(stop_at_step)],
     )
     trainer.sample_lengths, trainer.stop_at_step = sample_lengths, stop_at_step
-    trainer.run_settings = {**_run_settings(recipe), BASE_FINGERPRINT: base_fingerprint}
+    trainer.run_settings = {**_run_settings(recipe, model.config), BASE_FINGERPRINT: base_fingerprint}
     checkpoint = _resumed_checkpoint(output_dir) if resume else None
     last = get_last_checkpoint(os.fspath(output_dir)) if resume else None
     if checkpoint != last:
@@ -573,11 +573,12 @@ RUN_SETTINGS_NAME = "ccm_training.json"
 BASE_FINGERPRINT = "base_fingerprint"
 
 
-def _run_settings(recipe: TrainingRecipe) -> dict[str, Any]:
-    """The settings of `recipe` in `RESUMED_RECIPE`, and the number of processes (each draws its share of every
-    batch), as JSON values."""
+def _run_settings(recipe: TrainingRecipe, config: CCMConfig) -> dict[str, Any]:
+    """The settings of `recipe` in `RESUMED_RECIPE` for an adapter of `config`, and the number of processes (each
+    draws its share of every batch), as JSON values."""
     settings = {name: getattr(recipe, name) for name in RESUMED_RECIPE}
-    settings["streaming"] = None if recipe.streaming is None else asdict(recipe.streaming)
+    # The stream's cap as it streams (the adapter's where None): checkpoints record the cap they trained with.
+    settings["streaming"] = None if recipe.streaming is None else asdict(recipe.streaming.for_adapter(config))
     settings["processes"] = int(os.environ.get("WORLD_SIZE", "1"))
     return json.loads(json.dumps(settings))
 
@@ -642,7 +643,7 @@ def check_resume(
         if name.endswith((".pt", ".pth")):
             _check_pickled_state(os.path.join(checkpoint, name), fix)
     if recipe is not None:
-        _check_run_settings(checkpoint, recipe, base_fingerprint, fix)
+        _check_run_settings(checkpoint, recipe, config, base_fingerprint, fix)
 
 
 def _resumed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
@@ -664,15 +665,17 @@ def _resumed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _check_run_settings(checkpoint: str, recipe: TrainingRecipe, base_fingerprint: str | None, fix: str) -> None:
-    """Raise a ValueError naming each setting of `recipe` (and the base model, given its fingerprint) that differs
-    from the one `checkpoint` was trained with."""
+def _check_run_settings(
+    checkpoint: str, recipe: TrainingRecipe, config: CCMConfig, base_fingerprint: str | None, fix: str
+) -> None:
+    """Raise a ValueError naming each setting of `recipe` for an adapter of `config` (and the base model, given its
+    fingerprint) that differs from the one `checkpoint` was trained with."""
     path = os.path.join(checkpoint, RUN_SETTINGS_NAME)
     if not os.path.isfile(path):
         return
     with open(path, "rb") as file:
         saved = parse_json_object(file.read(), path, fix)
-    ours = _run_settings(recipe) | ({BASE_FINGERPRINT: base_fingerprint} if base_fingerprint else {})
+    ours = _run_settings(recipe, config) | ({BASE_FINGERPRINT: base_fingerprint} if base_fingerprint else {})
     different = [name for name in ours if saved.get(name) != ours[name]]
     if different:
         details = ", ".join(
