@@ -366,6 +366,27 @@ def test_a_models_config_keeps_the_fields_its_adapter_was_built_with(tmp_path, f
     assert torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
 
 
+def test_a_models_config_refuses_its_built_lists_and_dicts_changed_in_place():
+    """`model.config.target_modules.append(...)` or an edit of `base_model_shape` got past the hold on the fields the
+    model was built with: its config then named layers it had no LoRA for, or another base model's sizes."""
+    config = CCMConfig(lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), config))
+    model.config.target_modules = ["q_proj", "v_proj"]  # the same value may be set again
+    before = copy.deepcopy(model.config)
+    for change in (
+        lambda: model.config.target_modules.append("o_proj"),
+        lambda: model.config.base_model_shape.__setitem__("hidden_size", 1),
+        lambda: model.config.base_model_shape.update(model_type="gpt2"),
+    ):
+        with pytest.raises(TypeError, match="cannot change in place"):
+            change()
+    with pytest.raises(ValueError, match=r"target_modules.*CCMForCausalLM.from_base"):
+        model.config.target_modules += ["o_proj"]
+    with pytest.raises(ValueError, match=r"base_model_shape.*CCMForCausalLM.from_base"):
+        model.config.base_model_shape |= {"hidden_size": 1}
+    assert model.config == before
+
+
 @settings(max_examples=5)
 @given(alpha=st.floats(0.01, 1.0))
 def test_a_models_ema_coefficient_may_change_and_refuses_the_memories_made_before(alpha):

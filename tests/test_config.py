@@ -1,6 +1,7 @@
 import contextlib
 import copy
 import json
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from crafted_files import pipe_feeding
-from transformers_ccm import CCMConfig
+from transformers_ccm import CCMConfig, __version__
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME
 
 
@@ -168,3 +169,75 @@ def test_any_json_value_in_a_config_file_loads_or_is_refused_naming_file_and_fie
         assert str(path) in str(error) and any(f"CCMConfig.{name}" in str(error) for name in changes), error
     else:
         assert all(getattr(config, name) == value for name, value in changes.items())
+
+
+SHAPE = {"model_type": "llama", "hidden_size": 64, "rope": {"factors": [1.0, 2.0]}}
+IN_PLACE = {
+    "target_modules": [
+        lambda v: v.append("o_proj"),
+        lambda v: v.extend(["o_proj"]),
+        lambda v: v.insert(0, "o_proj"),
+        lambda v: v.remove("q_proj"),
+        lambda v: v.pop(),
+        lambda v: v.clear(),
+        lambda v: v.sort(),
+        lambda v: v.reverse(),
+        lambda v: v.__setitem__(0, "o_proj"),
+        lambda v: v.__delitem__(slice(0, 1)),
+        lambda v: v.__imul__(2),
+    ],
+    "base_model_shape": [
+        lambda v: v.__setitem__("hidden_size", 1),
+        lambda v: v.__delitem__("hidden_size"),
+        lambda v: v.update(hidden_size=1),
+        lambda v: v.setdefault("vocab_size", 1),
+        lambda v: v.pop("hidden_size"),
+        lambda v: v.popitem(),
+        lambda v: v.clear(),
+        lambda v: v["rope"].__setitem__("factors", []),
+        lambda v: v["rope"]["factors"].append(3.0),
+    ],
+}
+
+
+@given(
+    field_and_change=st.sampled_from(sorted(IN_PLACE)).flatmap(
+        lambda f: st.tuples(st.just(f), st.sampled_from(IN_PLACE[f]))
+    ),
+    as_tuple=st.booleans(),
+)
+def test_a_list_or_dict_field_refuses_changes_in_place_and_stays_as_it_was(field_and_change, as_tuple):
+    """`config.target_modules.append(...)` skipped every check of a field set alone, and the hold of a model on the
+    fields it was built with; a config is changed by setting its fields."""
+    field, change = field_and_change
+    modules = ["q_proj", "v_proj"]
+    config = CCMConfig(target_modules=tuple(modules) if as_tuple else modules, base_model_shape=copy.deepcopy(SHAPE))
+    before = copy.deepcopy(config)
+    with pytest.raises(TypeError, match=r"cannot change in place.*set the field"):
+        change(getattr(config, field))
+    assert config == before and config.target_modules == modules and config.base_model_shape == SHAPE
+    for each in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):  # a copy refuses them too
+        assert each == config
+        with pytest.raises(TypeError, match="cannot change in place"):
+            change(getattr(each, field))
+
+
+def test_a_list_or_dict_field_is_set_checked_and_written_as_before(tmp_path):
+    """Held as lists and dicts that refuse changes in place, the fields read, compare, and are written to JSON byte for
+    byte as plain ones."""
+    config = CCMConfig(target_modules=["q_proj", "v_proj"], base_model_shape=copy.deepcopy(SHAPE))
+    assert config == CCMConfig(target_modules=("q_proj", "v_proj"), base_model_shape=SHAPE)
+    with pytest.raises(ValueError, match="target_modules"):  # `+=` sets the field, which is checked
+        config.target_modules += [3]
+    config.target_modules += ["o_proj"]
+    config.base_model_shape |= {"vocab_size": 10}
+    assert config.target_modules == ["q_proj", "v_proj", "o_proj"]
+    assert config.base_model_shape == {**SHAPE, "vocab_size": 10}
+    expected = {field.name: field.default for field in fields(CCMConfig)}
+    expected |= {"target_modules": ["q_proj", "v_proj", "o_proj"], "base_model_shape": {**SHAPE, "vocab_size": 10}}
+    expected = {"format_version": 1, "ccm_version": __version__, **expected}
+    content = config.to_dict()
+    assert content == expected
+    assert type(content["target_modules"]) is list and type(content["base_model_shape"]["rope"]) is dict
+    assert Path(config.save_pretrained(tmp_path)).read_text() == json.dumps(expected, indent=2, sort_keys=True) + "\n"
+    assert CCMConfig.from_pretrained(tmp_path) == config

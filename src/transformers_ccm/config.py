@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from transformers_ccm.files import made_folder, replace_file
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
@@ -38,6 +38,60 @@ BUILT_FIELDS = (
 # The concat cap is compared with int64 slot counts: past int64 the comparison wrapped (every slot was dropped at
 # the next fold) or overflowed.
 _LARGEST_CAP = 2**63 - 1
+
+
+def _refuse_in_place(self: object, *args: object, **kwargs: object) -> NoReturn:
+    raise TypeError(
+        "A CCMConfig's target_modules and base_model_shape cannot change in place; set the field instead (e.g. "
+        "config.target_modules = [...]), which is checked as the constructor checks it."
+    )
+
+
+class _FrozenList(list):
+    """A list that refuses changes in place (`CCMConfig.target_modules`): equal to the list it holds, written to JSON
+    and given to PEFT as one. `+=` makes a new list, which setting the field then checks."""
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse_in_place
+    __setitem__ = __delitem__ = __imul__ = _refuse_in_place
+
+    def __iadd__(self, other: Any) -> list[Any]:
+        return [*self, *other]
+
+    def __reduce__(self) -> tuple[type, tuple[list[Any]]]:
+        # Pickled and copied (`copy.deepcopy`) by its items, never appended one by one.
+        return type(self), (list(self),)
+
+
+class _FrozenDict(dict):
+    """A dict that refuses changes in place (`CCMConfig.base_model_shape`): equal to the dict it holds, and written to
+    JSON as one. `|=` makes a new dict, which setting the field then checks."""
+
+    clear = pop = popitem = setdefault = update = _refuse_in_place
+    __setitem__ = __delitem__ = _refuse_in_place
+
+    def __ior__(self, other: Any) -> dict[Any, Any]:
+        return {**self, **other}
+
+    def __reduce__(self) -> tuple[type, tuple[dict[Any, Any]]]:
+        return type(self), (dict(self),)
+
+
+def _frozen(value: Any) -> Any:
+    """`value` with every list and dict in it, at any depth, one that refuses changes in place."""
+    if isinstance(value, dict):
+        return _FrozenDict({key: _frozen(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return _FrozenList(_frozen(item) for item in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    """`value` (`_frozen`'s) with plain lists and dicts again."""
+    if isinstance(value, dict):
+        return {key: _thawed(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_thawed(item) for item in value]
+    return value
 
 
 @dataclass
@@ -103,7 +157,6 @@ class CCMConfig:
                 "None or a non-empty list of module names",
                 lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(n, str) for n in v),
             )
-            self.target_modules = list(self.target_modules)
         for name in ("base_model_name_or_path", "base_model_revision", "trained_on"):
             _check(getattr(self, name), name, "None or a string", lambda v: v is None or isinstance(v, str))
         _check(
@@ -112,6 +165,10 @@ class CCMConfig:
             "None or an object of sizes",
             lambda v: v is None or (isinstance(v, dict) and all(isinstance(key, str) for key in v)),
         )
+        # Held as lists and dicts that refuse changes in place: `config.target_modules.append(...)` skipped every check
+        # above, and a model's hold on the fields it was built with (`_hold_built_fields`).
+        self.target_modules = _frozen(self.target_modules)
+        self.base_model_shape = _frozen(self.base_model_shape)
         # From now on a field set alone is checked too (`__setattr__`).
         self.__dict__["_checked"] = True
 
@@ -120,7 +177,7 @@ class CCMConfig:
         config as it was): set unchecked, `model.config.ema_alpha = 2.0` made every EMA memory grow without bound, and
         `update = "mean"` folded as EMA under a signature that named another rule."""
         if name in _FIELD_NAMES and self.__dict__.get("_checked", False):
-            value = getattr(replace(self, **{name: value}), name)  # as normalised (target_modules: a list)
+            value = getattr(replace(self, **{name: value}), name)  # as normalised (`_frozen`)
             if name in self.__dict__.get("_built", ()) and value != getattr(self, name):
                 raise ValueError(
                     f"CCMConfig.{name} of a model's config cannot change ({getattr(self, name)!r} to {value!r}): the "
@@ -142,7 +199,8 @@ class CCMConfig:
         """The JSON-ready content of `ccm_config.json`, with the format version."""
         from transformers_ccm import __version__
 
-        return {"format_version": FORMAT_VERSION, "ccm_version": __version__, **asdict(self)}
+        content = {field.name: _thawed(getattr(self, field.name)) for field in fields(self)}
+        return {"format_version": FORMAT_VERSION, "ccm_version": __version__, **content}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = CONFIG_NAME) -> CCMConfig:
