@@ -31,6 +31,7 @@ from transformers_ccm.evaluation import (
     gain_text,
     kv_bytes_per_token,
     markdown,
+    memory_slot_bytes,
     paired_difference,
     plot,
     report_json,
@@ -479,6 +480,41 @@ def test_peak_kv_is_the_most_any_forward_held(tokenizer, update, batch_size, met
     score = score_samples(model, tokenizer, samples, method, "perplexity", batch_size=batch_size)
     assert score.peak_kv_tokens == max(alone)
     assert score.peak_kv_bytes == max(alone) * kv_bytes_per_token(model)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    update=st.sampled_from(["concat", "merge", "ema"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    batch_size=st.integers(1, 5),
+)
+def test_peak_kv_bytes_are_the_most_any_forward_held(tokenizer, update, dtype, batch_size):
+    """Peak bytes were the peak slots times the bytes of a token's keys and values: merge and EMA memory in bfloat16
+    also holds its float32 running average (`memory_bytes()` counts it), which was left out."""
+    model = _model(tokenizer, seed=1, num_comp_tokens=2, update=update).to(dtype)
+    samples = make_samples("dialogue", "test", 5, seed=0, steps=3)
+    held: list[int] = []
+
+    def measure(_, __, out):
+        tensors = []
+        for layer in out.past_key_values.layers:
+            tensors += [layer.keys, layer.values]
+            average = getattr(layer, "accumulated", None)
+            if average is not None and average[0].dtype != layer.keys.dtype:  # not the memory itself
+                tensors += average
+        held.append(sum(tensor.nbytes for tensor in tensors))
+
+    hook = model.base_model.register_forward_hook(measure)
+    alone = []
+    for sample in samples:
+        held.clear()
+        score_samples(model, tokenizer, [sample], "ccm", "perplexity")
+        alone.append(max(held))
+    hook.remove()
+    assert score_samples(model, tokenizer, samples, "ccm", "perplexity", batch_size).peak_kv_bytes == max(alone)
+    cache = model.new_cache(1)
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    assert cache.memory_bytes() == cache.memory_length * memory_slot_bytes(model)
 
 
 @pytest.mark.parametrize("cast", ["model", "base model"])

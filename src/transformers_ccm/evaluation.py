@@ -45,6 +45,8 @@ class MethodScore:
     # the most KV slots any sample needed: context (none for no context) + input + output; for CCM also memory +
     # context + <COMP> block while compressing, which a long context makes the peak
     peak_kv_tokens: int
+    # the bytes of those slots at their peak, as the cache holds them (`memory_slot_bytes`): merge and EMA memory in
+    # half precision also holds its float32 running average
     peak_kv_bytes: int
     samples: int
     # per sample (numerator, denominator) of the value: (credit, 1) for accuracy (1 right, 0 wrong, 1/k when the
@@ -103,6 +105,15 @@ def kv_bytes_per_token(model: CCMForCausalLM) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
+def memory_slot_bytes(model: CCMForCausalLM) -> int:
+    """Bytes one memory slot takes over all layers, as `CompressedMemoryCache.memory_bytes()` counts them: its keys
+    and values, and for merge or EMA memory in half precision their float32 running average beside them."""
+    per_token = kv_bytes_per_token(model)
+    if model.config.update == "concat" or model.dtype == torch.float32:
+        return per_token
+    return per_token + per_token * torch.float32.itemsize // model.dtype.itemsize
+
+
 def _right_pad(rows: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
@@ -151,7 +162,8 @@ def score_samples(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
-    context_tokens, peak = 0, 0
+    context_tokens, peak, peak_bytes = 0, 0, 0
+    per_token, per_slot = kv_bytes_per_token(model), memory_slot_bytes(model)
     # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
     # compress and the online forward).
     vocabulary = model.vocabulary_size
@@ -224,14 +236,11 @@ def score_samples(
                 present = torch.tensor([step < len(c) for c in contexts])
                 # The compression forward holds a row's memory, its context and the <COMP> block at once.
                 held = cache.memory_mask.sum(-1).tolist()
-                peak = max(
-                    [peak]
-                    + [
-                        held[row] + len(c[step]) + model.config.num_comp_tokens
-                        for row, c in enumerate(contexts)
-                        if step < len(c)
-                    ]
-                )
+                for row, c in enumerate(contexts):
+                    if step < len(c):
+                        new = len(c[step]) + model.config.num_comp_tokens
+                        peak = max(peak, held[row] + new)
+                        peak_bytes = max(peak_bytes, held[row] * per_slot + new * per_token)
                 model.compress(
                     cache, ids.to(model.device), attention_mask=(mask.bool() & present[:, None]).to(model.device)
                 )
@@ -273,6 +282,7 @@ def score_samples(
                 if metric == "perplexity":
                     per_sample[indices[row]] = (-target.sum().item(), target.numel())
                 peak = max(peak, memory[row] + len(rows[row]))  # full context: rows hold the contexts
+                peak_bytes = max(peak_bytes, memory[row] * per_slot + len(rows[row]) * per_token)
         for row in range(len(batch)):
             context_tokens += memory[row] + (sum(map(len, contexts[row])) if method == "full_context" else 0)
             if metric == "accuracy":
@@ -292,7 +302,7 @@ def score_samples(
         high=high,
         context_kv_tokens=context_tokens / len(samples),
         peak_kv_tokens=peak,
-        peak_kv_bytes=peak * kv_bytes_per_token(model),
+        peak_kv_bytes=peak_bytes,
         samples=len(samples),
         per_sample=per_sample,
     )
