@@ -2,7 +2,9 @@
 memory over long generations, batching, persistence and bad configurations."""
 
 import copy
+import sys
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -665,3 +667,35 @@ def test_a_row_that_finishes_early_streams_as_it_does_alone(tmp_path_factory, da
     assert selected.kv_length == max(lengths[row] for row in order)
     got = model(input_ids=later[order], past_key_values=selected).logits
     torch.testing.assert_close(got, logits[order], atol=1e-5, rtol=0)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    update=st.sampled_from(("concat", "merge")),
+    counts=st.lists(st.none() | st.integers(1, 6), min_size=2, max_size=3),
+    beams=st.sampled_from([1, 2]),
+    history=st.integers(0, 12),
+)
+def test_a_batched_stream_reads_its_rows_reply_ends_to_the_host_once_per_step(update, counts, beams, history):
+    """A stream asks for its rows' reply ends at each stage of a decoding step's forward (room to make, evictions, the
+    new tokens' places), and each asked read them to the host again: on a GPU, a wait for all the work queued, several
+    times per generated token. Counted on the CPU, where the reads (`Tensor.cpu`) happen all the same."""
+    model = tiny_ccm("llama", num_comp_tokens=2, update=update)
+    reads = 0
+    read = torch.Tensor.cpu
+
+    def counted(tensor, *args, **kwargs):
+        nonlocal reads
+        reads += sys._getframe(1).f_globals["__name__"].startswith("transformers_ccm")
+        return read(tensor, *args, **kwargs)
+
+    forwards = []
+    history_ids = torch.randint(3, VOCAB, (len(counts), history))
+    prompts = torch.randint(3, VOCAB, (len(counts), 3))
+    model.memory_signature()  # the adapter's digests, read once for the model and kept
+    hook = model.base_model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with patch.object(torch.Tensor, "cpu", counted):
+        _stream_after_generate(model, SMALL, history_ids, prompts, counts, 6, beams)
+    hook.remove()
+    # Greedy: at most one read per decoding step; beam search feeds the returned replies in one call, one read.
+    assert reads <= (len(forwards) if beams == 1 else 1)

@@ -499,8 +499,9 @@ class CompressedMemoryCache(Cache):
         # window tokens already compressed into memory (StreamingConfig.keep_window_full), evicted first. Rows differ
         # once a generate() reply of one ended before another's. Read with `tolist()`, which waits for no device.
         self.stream_lengths = torch.zeros(batch_size, 4 if streaming is not None else 0, dtype=torch.long)
-        # During generate() on a stream: `(batch,)` long, how many of the call's tokens (`turn_tokens`) each row takes,
-        # its prompt and its reply; the rest is the padding of a reply that ended before the others' (None: all).
+        # During generate() on a stream: `(batch,)` long on the CPU, how many of the call's tokens (`turn_tokens`) each
+        # row takes, its prompt and its reply; the rest is the padding of a reply that ended before the others' (None:
+        # all). Asked at each stage of a forward, so it reads the device at most once per decoding step.
         self.row_ends: Callable[[], torch.Tensor | None] | None = None
         # The claimant running calls on this cache and how deeply they nest (None: free); see `transaction`.
         self._user: tuple[_Claimant, int] | None = None
@@ -1109,7 +1110,7 @@ class CompressedMemoryCache(Cache):
         ends = self.row_ends() if self.row_ends is not None else None
         if ends is None:
             return torch.full((self.batch_size,), new, dtype=torch.long)
-        return (ends.cpu() - self.turn_tokens).clamp(min=0, max=new)
+        return (ends - self.turn_tokens).clamp(min=0, max=new)
 
     def _key_positions(self, slots: torch.Tensor) -> torch.Tensor:
         """`(batch, len(slots))` long: the positions of the held `slots` (`(n,)` long) of each row, its memory slots

@@ -888,7 +888,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """Feed a stream `prompt` (`name`: `(batch, len)` input_ids or `(batch, len, hidden)` inputs_embeds) and
         each row's reply, the first `lengths` `(batch,)` of its `generated` ids `(batch, new)`, in the pieces a row
         alone is fed in; no row takes the padding after its reply (`row_ends`)."""
-        cache.row_ends = functools.partial(torch.add, lengths, prompt.shape[1])
+        ends = (lengths + prompt.shape[1]).cpu()  # read once: each piece's forward asks at several stages
+        cache.row_ends = lambda: ends
         # With neither a pad nor an EOS id, transformers pads a beam that ended before the others with -1, which no
         # embedding takes; no row takes the padding, so any id does.
         self.base_model(
@@ -1397,6 +1398,8 @@ class _FinishedRows(StoppingCriteria):
         if eos:
             self.eos_token_id = eos[0]
         self.lengths: torch.Tensor | None = None  # (batch,), 0 for a row still running
+        # `lengths` as last read to the host, with the step it was read at (`reply_ends`).
+        self._read: tuple[int, torch.Tensor] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         """`(batch,)` bool, whether `criteria` stop each row of `input_ids` `(batch, len)` now."""
@@ -1407,12 +1410,17 @@ class _FinishedRows(StoppingCriteria):
         return done
 
     def reply_ends(self, prompt_length: int) -> torch.Tensor | None:
-        """`(batch,)` long: how many tokens of a `generate()` call each row takes, its prompt of `prompt_length` and
-        its reply, those after it being padding (a row not stopped: all); None before the first stop."""
+        """`(batch,)` long on the CPU: how many tokens of a `generate()` call each row takes, its prompt of
+        `prompt_length` and its reply, those after it being padding (a row not stopped: all); None before the first
+        stop. Read from the device once per decoding step: a stream asks at each of its forward's stages, and on a
+        GPU every read waits for all the work queued before it."""
         if self.lengths is None:
             return None
-        running = torch.full_like(self.lengths, torch.iinfo(torch.long).max // 2)
-        return torch.where(self.lengths == 0, running, prompt_length + self.lengths)
+        if self._read is None or self._read[0] != self.steps:
+            self._read = self.steps, self.lengths.cpu()
+        lengths = self._read[1]
+        running = torch.full_like(lengths, torch.iinfo(torch.long).max // 2)
+        return torch.where(lengths == 0, running, prompt_length + lengths)
 
     def reply_lengths(self, generated: torch.Tensor) -> torch.Tensor:
         """`(batch,)` each row's reply length in `generated` `(batch, new)`: all of it for a row never stopped, or
