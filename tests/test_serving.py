@@ -1420,6 +1420,14 @@ def _new_base_layer(model: CCMForCausalLM, shift: float) -> None:
     mlp.down_proj = replacement.requires_grad_(False)
 
 
+COPIES: dict[str, Callable[[CCMForCausalLM], CCMForCausalLM]] = {
+    "the model": lambda model: model,
+    "a deep copy": copy.deepcopy,
+    "a pickled copy": lambda model: pickle.loads(pickle.dumps(model)),
+}
+
+
+@pytest.mark.parametrize("copied", COPIES)
 @pytest.mark.parametrize(
     ("replace", "field"),
     [
@@ -1429,10 +1437,14 @@ def _new_base_layer(model: CCMForCausalLM, shift: float) -> None:
         (_new_base_layer, "base_fingerprint"),
     ],
 )
-def test_weights_put_in_as_new_tensors_change_the_signature(tmp_path, replace, field):
+def test_weights_put_in_as_new_tensors_change_the_signature(tmp_path, replace, field, copied):
     """The weights were listed once: after load_state_dict(assign=True) or a replaced parameter or layer, the
-    signature still hashed the tensors they replaced, so memories of the old weights were accepted."""
-    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    signature still hashed the tensors they replaced, so memories of the old weights were accepted. A copy of a model
+    (copy.deepcopy, a pickle) kept the listing of the model it was copied from, and never saw its own weights
+    replaced."""
+    original = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    _filled(original)  # the original has listed its weights
+    model = COPIES[copied](original)
     cache = _filled(model)
     cache.save(tmp_path / "user.safetensors")
     replace(model, 0.0)  # the same values in new tensors: the memory is still the model's

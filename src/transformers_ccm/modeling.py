@@ -236,6 +236,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # mode, where a dropout left on would make every compression of the loaded model random.
         self.train(base_model.training)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The model without its listing and digests of its weights (`_listing`, `_digest`): a copy (`copy.deepcopy`,
+        a pickle) lists its own weights at its first call, which also watches its modules; one that kept the listing
+        of the model it was copied from never saw its weights replaced, and accepted memories of the weights before."""
+        return {**super().__getstate__(), "_listed": None, "_digests": {}}
+
     @property
     def config(self) -> CCMConfig:
         """The adapter's settings. The update rule, EMA coefficient and concat cap may change (memories made before are
