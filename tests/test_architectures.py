@@ -4,8 +4,9 @@ import copy
 
 import pytest
 import torch
-from accelerate import cpu_offload, disk_offload, dispatch_model
+from accelerate import cpu_offload, disk_offload, dispatch_model, init_empty_weights
 from accelerate.hooks import remove_hook_from_module
+from accelerate.utils import set_module_tensor_to_device
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -241,6 +242,61 @@ def test_a_model_refused_while_offloaded_computes_as_before_once_the_hooks_are_r
     remove_hook_from_module(model, recurse=True)
     torch.testing.assert_close(
         model(input_ids=torch.tensor([[9, 10]]), past_key_values=cache).logits, expected, rtol=0, atol=0
+    )
+
+
+def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_left_as_it_was(tmp_path):
+    """A base model built under accelerate's init_empty_weights holds its weights on the meta device, where copying an
+    adapter in does nothing: from_pretrained and load_adapter returned with a torch warning, and the first call failed
+    with "Cannot copy out of meta tensor"."""
+    tiny_ccm("llama").save_pretrained(tmp_path)
+    with init_empty_weights():
+        base = AutoModelForCausalLM.from_config(tiny_base("llama").config)
+    modules = {name: type(module) for name, module in base.named_modules()}
+    fix = r"meta device.*init_empty_weights.*device_map='cpu'"
+    with pytest.raises(ValueError, match=fix):
+        CCMForCausalLM.from_pretrained(tmp_path, base_model=base)
+    assert {name: type(module) for name, module in base.named_modules()} == modules
+    model = CCMForCausalLM.from_base(base, CCMConfig())  # wrapped for its shapes alone (benchmarks count its bytes)
+    calls = {
+        "load_adapter": lambda: model.load_adapter(tmp_path),
+        "new_cache": lambda: model.new_cache(),
+        "memory_signature": lambda: model.memory_signature(),
+        "training forward": lambda: model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])])),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=fix):
+            call()
+    # Its weights put in by accelerate (as load_checkpoint_and_dispatch does), which torch's registration hooks do not
+    # see: the model then computes as the one they come from.
+    loaded = tiny_ccm("llama")
+    for name, tensor in [*loaded.state_dict().items(), *loaded.named_buffers()]:
+        set_module_tensor_to_device(model, name, "cpu", value=tensor)
+    model.eval()
+    caches = [each.new_cache() for each in (model, loaded)]
+    logits = []
+    for each, cache in zip((model, loaded), caches, strict=True):
+        each.compress(cache, torch.tensor([[5, 6, 7]]))
+        logits.append(each(input_ids=torch.tensor([[8, 9]]), past_key_values=cache).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offload", [name for name in OFFLOADS if name != "dispatch_model"])
+def test_an_adapter_loaded_into_a_model_offloaded_after_wrapping_is_refused(offload, tmp_path):
+    """The adapter's weights were copied onto the meta device, which does nothing: load_adapter returned, and once
+    the hooks were removed the model ran the adapter it had before."""
+    tiny_ccm("llama", update="merge").save_pretrained(tmp_path / "adapter")
+    model = randomize_adapter(copy.deepcopy(tiny_ccm("llama", update="merge")), seed=7)
+    before = model.memory_signature()
+    OFFLOADS[offload](model, tmp_path / "offload")
+    with pytest.raises(ValueError, match=r"meta device.*remove_hook_from_module"):
+        model.load_adapter(tmp_path / "adapter")
+    remove_hook_from_module(model, recurse=True)
+    assert model.memory_signature() == before
+    model.load_adapter(tmp_path / "adapter")
+    assert (
+        model.memory_signature()["adapter_sha256"]
+        == tiny_ccm("llama", update="merge").memory_signature()["adapter_sha256"]
     )
 
 

@@ -49,6 +49,7 @@ class AdapterHubMixin:
     base_model: PreTrainedModel
     comp_embeddings: nn.Parameter
     _release_base: Callable[[], None]  # undoes `cls(base_model, config)` on the base model after a failed load
+    _check_in_place: Callable[[], None]  # raises where the weights are offloaded or on the meta device
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
@@ -265,6 +266,7 @@ class AdapterHubMixin:
     ) -> None:
         """Check every name and shape first, then copy: a mismatch leaves the model untouched. The LoRA layers
         named in `added_layers` are not in `tensors`; they are set to zero."""
+        self._check_in_place()  # a copy onto the meta device does nothing: the adapter would be lost
         expected = self.adapter_tensors()
         added = {f"{layer}.lora_{part}.weight" for layer in added_layers for part in "AB"}
         missing = sorted(expected.keys() - tensors.keys() - added)

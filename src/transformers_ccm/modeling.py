@@ -12,7 +12,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -382,14 +382,18 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             )
 
     def _check_in_place(self) -> None:
-        """`_check_weights_in_place` for this model, reading every weight only where accelerate's hooks are on it (a
-        walk costs milliseconds per call). Those hooks replace weights without torch's registration hooks: the weights
-        are listed again at the next call, so that once they are removed a call does not hold the model to the
-        offloaded weights, and fail as if another thread changed them."""
+        """`_check_weights_in_place` for this model's weights: those listed (`_listing`; a walk over its modules costs
+        milliseconds per call), read anew where accelerate's hooks are on the model or a listed one is on the meta
+        device. accelerate replaces weights without torch's registration hooks (its offload hooks, and
+        `set_module_tensor_to_device`, which fills a model built under `init_empty_weights`): the weights are then
+        listed again at the next call, so that a call does not hold the model to weights replaced since, and fail as
+        if another thread changed them."""
         hooked = any(hasattr(module, "_hf_hook") for module in (self, self.base_model))
-        if hooked:
+        weights = [] if hooked else [item for listed in self._weights().values() for item in listed]
+        if hooked or any(parameter.is_meta for _, parameter in weights):
             self._listed = None
-        _check_weights_in_place(self, self.base_model, read_all=hooked)
+            weights = list(self.named_parameters())
+        _check_weights_in_place(self, self.base_model, weights)
 
     def _release_base(self) -> None:
         """Give `base_model` back as it was before this model was built around it (a load into a caller's model
@@ -1506,7 +1510,7 @@ def _check_supported(model: PreTrainedModel) -> None:
     if not attention_modules(model):
         raise TypeError(f"{name}: found no attention layers (modules named *Attention with a layer_idx).")
     # A model without accelerate's hooks may hold its weights on the meta device (benchmarks measure shapes alone).
-    _check_weights_in_place(model, model, read_all=hasattr(model, "_hf_hook"))
+    _check_weights_in_place(model, model, model.named_parameters() if hasattr(model, "_hf_hook") else ())
     if model.config.model_type not in TESTED_MODEL_TYPES:
         logger.warning(
             "transformers-ccm has not been tested with model type %r; known to work: %s.",
@@ -1523,24 +1527,26 @@ def _offloaded_modules(model: PreTrainedModel) -> list[str]:
     return sorted(name for name, device in placement.items() if device == "disk" or (device == "cpu" and accelerators))
 
 
-def _check_weights_in_place(model: nn.Module, base_model: PreTrainedModel, read_all: bool = False) -> None:
+def _check_weights_in_place(
+    model: nn.Module, base_model: PreTrainedModel, parameters: Iterable[tuple[str, torch.Tensor]]
+) -> None:
     """Raise if weights of `model` (`base_model`, or a `CCMForCausalLM` around it) are not held where they run:
     accelerate offloads them (a device map with offloaded entries; `cpu_offload`, `disk_offload`, also once CCM
-    wrapped the model), loading them per forward, or they were never loaded (the meta device). A LoRA layer added
-    there holds no weights, their digests cannot be read, and a forward swaps them in and out. Every parameter is
-    read only with `read_all` (a walk costs milliseconds), where accelerate's hooks are on the model."""
+    wrapped the model), loading them per forward, or they were never loaded (the meta device: `init_empty_weights`).
+    A LoRA layer added there holds no weights, an adapter copied in is lost, their digests cannot be read, and a
+    forward swaps them in and out. `parameters`: the named weights of `model` to look for on the meta device."""
     offloaded = _offloaded_modules(base_model)
     where = f"has modules that accelerate offloads ({', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''}"
     where += " in its device_map)"
-    if not offloaded and read_all:
-        offloaded = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if not offloaded:
+        offloaded = [name for name, parameter in parameters if parameter.is_meta]
         where = f"has weights on the meta device ({', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''})"
     if offloaded:
         raise ValueError(
-            f"{type(model).__name__} {where}: they are loaded per forward (or were never loaded), which CCM does not "
-            "support. Load the base model with every module on a GPU or all on the CPU (device_map='auto' with enough "
-            "max_memory, or device_map='cpu'), and undo cpu_offload or disk_offload with "
-            "accelerate.hooks.remove_hook_from_module(model, recurse=True)."
+            f"{type(model).__name__} {where}: they are loaded per forward, or were never loaded (a model built under "
+            "init_empty_weights), which CCM does not support. Load the base model with its weights, every module on a "
+            "GPU or all on the CPU (device_map='auto' with enough max_memory, or device_map='cpu'), and undo "
+            "cpu_offload or disk_offload with accelerate.hooks.remove_hook_from_module(model, recurse=True)."
         )
 
 
