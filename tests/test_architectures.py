@@ -281,6 +281,26 @@ def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_le
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
+def test_a_model_moved_to_the_meta_device_is_refused_and_its_cache_left_as_it_was():
+    """`to("meta")` puts new parameters in place without torch's registration hooks: the model kept its listing of the
+    weights it had, new_cache() made a cache of the meta device, and calls failed inside torch."""
+    model = copy.deepcopy(tiny_ccm("llama", update="merge"))
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    before = snapshot(cache)
+    model.to("meta")
+    calls = {
+        "new_cache": lambda: model.new_cache(),
+        "compress": lambda: model.compress(cache, torch.tensor([[11, 12]])),
+        "generate": lambda: model.generate(torch.tensor([[9, 10]]), past_key_values=cache, max_new_tokens=2),
+        "training forward": lambda: model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])])),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=r"meta device.*init_empty_weights"):
+            call()
+    assert_same(snapshot(cache), before)
+
+
 @pytest.mark.parametrize("offload", [name for name in OFFLOADS if name != "dispatch_model"])
 def test_an_adapter_loaded_into_a_model_offloaded_after_wrapping_is_refused(offload, tmp_path):
     """The adapter's weights were copied onto the meta device, which does nothing: load_adapter returned, and once

@@ -242,6 +242,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         of the model it was copied from never saw its weights replaced, and accepted memories of the weights before."""
         return {**super().__getstate__(), "_listed": None, "_digests": {}}
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CCMForCausalLM:
+        """`nn.Module._apply` (`to()`, `half()`, `to_empty()`, ...). Where a parameter cannot take the converted
+        tensor as its data (onto or off the meta device), torch puts a new one in place without its registration
+        hooks: the weights are listed again at the next call, also after a conversion that failed half way."""
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._listed = None
+
     @property
     def config(self) -> CCMConfig:
         """The adapter's settings. The update rule, EMA coefficient and concat cap may change (memories made before are
