@@ -242,6 +242,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         of the model it was copied from never saw its weights replaced, and accepted memories of the weights before."""
         return {**super().__getstate__(), "_listed": None, "_digests": {}}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """`nn.Module.__setstate__`, with CCM's attention registered with transformers: wrapping registers it, and a
+        model unpickled in a process that wrapped none (a spawned worker, `torch.load`) failed its first call."""
+        register_ccm_attention()
+        super().__setstate__(state)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CCMForCausalLM:
         """`nn.Module._apply` (`to()`, `half()`, `to_empty()`, ...). Where a parameter cannot take the converted
         tensor as its data (onto or off the meta device), torch puts a new one in place without its registration
