@@ -247,8 +247,8 @@ def test_a_model_refused_while_offloaded_computes_as_before_once_the_hooks_are_r
 
 def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_left_as_it_was(tmp_path):
     """A base model built under accelerate's init_empty_weights holds its weights on the meta device, where copying an
-    adapter in does nothing: from_pretrained and load_adapter returned with a torch warning, and the first call failed
-    with "Cannot copy out of meta tensor"."""
+    adapter in does nothing: from_pretrained and load_adapter returned with a torch warning, and the first call (and
+    save_pretrained) failed with "Cannot copy out of meta tensor"."""
     tiny_ccm("llama").save_pretrained(tmp_path)
     with init_empty_weights():
         base = AutoModelForCausalLM.from_config(tiny_base("llama").config)
@@ -258,8 +258,11 @@ def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_le
         CCMForCausalLM.from_pretrained(tmp_path, base_model=base)
     assert {name: type(module) for name, module in base.named_modules()} == modules
     model = CCMForCausalLM.from_base(base, CCMConfig())  # wrapped for its shapes alone (benchmarks count its bytes)
+    saved = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
     calls = {
         "load_adapter": lambda: model.load_adapter(tmp_path),
+        "save_pretrained": lambda: model.save_pretrained(tmp_path),
+        "push_to_hub": lambda: model.push_to_hub("someone/ccm-adapter"),
         "new_cache": lambda: model.new_cache(),
         "memory_signature": lambda: model.memory_signature(),
         "training forward": lambda: model(**CCMDataCollator(model)([OnlineSample([[5, 6]], [7], [8])])),
@@ -267,6 +270,7 @@ def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_le
     for call in calls.values():
         with pytest.raises(ValueError, match=fix):
             call()
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == saved
     # Its weights put in by accelerate (as load_checkpoint_and_dispatch does), which torch's registration hooks do not
     # see: the model then computes as the one they come from.
     loaded = tiny_ccm("llama")
@@ -302,15 +306,18 @@ def test_a_model_moved_to_the_meta_device_is_refused_and_its_cache_left_as_it_wa
 
 
 @pytest.mark.parametrize("offload", [name for name in OFFLOADS if name != "dispatch_model"])
-def test_an_adapter_loaded_into_a_model_offloaded_after_wrapping_is_refused(offload, tmp_path):
+def test_an_adapter_loaded_into_or_saved_from_a_model_offloaded_after_wrapping_is_refused(offload, tmp_path):
     """The adapter's weights were copied onto the meta device, which does nothing: load_adapter returned, and once
-    the hooks were removed the model ran the adapter it had before."""
+    the hooks were removed the model ran the adapter it had before. save_pretrained failed inside torch."""
     tiny_ccm("llama", update="merge").save_pretrained(tmp_path / "adapter")
     model = randomize_adapter(copy.deepcopy(tiny_ccm("llama", update="merge")), seed=7)
     before = model.memory_signature()
     OFFLOADS[offload](model, tmp_path / "offload")
     with pytest.raises(ValueError, match=r"meta device.*remove_hook_from_module"):
         model.load_adapter(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"meta device.*remove_hook_from_module"):  # its weights are not there to save
+        model.save_pretrained(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
     remove_hook_from_module(model, recurse=True)
     assert model.memory_signature() == before
     model.load_adapter(tmp_path / "adapter")

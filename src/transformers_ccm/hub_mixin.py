@@ -49,7 +49,7 @@ class AdapterHubMixin:
     base_model: PreTrainedModel
     comp_embeddings: nn.Parameter
     _release_base: Callable[[], None]  # undoes `cls(base_model, config)` on the base model after a failed load
-    _check_in_place: Callable[[], None]  # raises where the weights are offloaded or on the meta device
+    _check_in_place: Callable[[], None]  # raises where weights are offloaded or on the meta device (hold no values)
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
@@ -63,6 +63,7 @@ class AdapterHubMixin:
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
         """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base."""
         with self._adapter_step("save_pretrained()"):
+            self._check_in_place()  # weights on the meta device hold no values to write
             save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
 
     @contextmanager
@@ -95,6 +96,7 @@ class AdapterHubMixin:
         """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit, as transformers
         does: to the branch `revision` (created if needed), or as a pull request with `create_pr`."""
         with self._adapter_step("push_to_hub()"):
+            self._check_in_place()
             return push_adapter(
                 repo_id,
                 self.config,
