@@ -1,6 +1,6 @@
 """A stateful property test of CompressedMemoryCache: random sequences of compress, generate, online forward,
-save/load, copy, failed calls (an injected fault at a random layer and call) and invalid calls (refused with
-ValueError) on a few caches of one model.
+save/load, copies (and pickles), failed calls (an injected fault at a random layer and call) and invalid calls
+(refused with ValueError) on a few caches of one model.
 
 Beside the real caches the machine keeps a model of each: the list of operations that succeeded on it. After every
 step each cache must equal, exactly, the cache made by replaying that list on a fresh cache: a failed or refused
@@ -9,8 +9,11 @@ call changes nothing, save/load and copy change nothing, and a copy changes inde
 
 from __future__ import annotations
 
+import copy
+import pickle
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,13 @@ context = st.lists(token, min_size=1, max_size=4).map(tuple)
 prompt = st.lists(token, min_size=1, max_size=3).map(tuple)
 new_tokens = st.integers(1, 3)
 bad_id = st.sampled_from([VOCAB, VOCAB + 1, 10_000, -1])
+# The ways a cache is copied: each gives a cache equal to its source, which changes independently of it.
+COPIES: dict[str, Callable[[CompressedMemoryCache], CompressedMemoryCache]] = {
+    "copy()": CompressedMemoryCache.copy,
+    "copy.copy": copy.copy,
+    "copy.deepcopy": copy.deepcopy,
+    "pickle": lambda cache: pickle.loads(pickle.dumps(cache)),
+}
 
 
 # ----- the operations and their replay ---------------------------------------------------------------------------
@@ -151,9 +161,9 @@ class CacheMachine(MachineWithFiles):
         assert again.read_bytes() == path.read_bytes(), "a loaded cache saves other bytes than the file it came from"
         self.caches[index] = loaded
 
-    @rule(source=cache_index, destination=cache_index)
-    def copy(self, source: int, destination: int) -> None:
-        self.caches[destination] = self.caches[source].copy()
+    @rule(source=cache_index, destination=cache_index, how=st.sampled_from(sorted(COPIES)))
+    def copy(self, source: int, destination: int, how: str) -> None:
+        self.caches[destination] = COPIES[how](self.caches[source])
         self.ops[destination] = list(self.ops[source])
 
     # ----- rules: failed and refused calls ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 from fault_injection import assert_same, snapshot
-from test_cache_state_machine import MachineWithFiles
+from test_cache_state_machine import COPIES, MachineWithFiles
 from tiny_models import VOCAB, InjectedFailure, fail_in_layer, randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 
@@ -145,10 +145,13 @@ class _Machine(MachineWithFiles):
         assert again.read_bytes() == path.read_bytes(), "a loaded cache saves other bytes than the file it came from"
         self.caches[index] = loaded
 
-    @rule(source=st.integers(0, NUM_CACHES - 1), destination=st.integers(0, NUM_CACHES - 1), deep=st.booleans())
-    def copy(self, source: int, destination: int, deep: bool) -> None:
-        cache = self.caches[source]
-        self.caches[destination] = copy.deepcopy(cache) if deep else cache.copy()
+    @rule(
+        source=st.integers(0, NUM_CACHES - 1),
+        destination=st.integers(0, NUM_CACHES - 1),
+        how=st.sampled_from(sorted(COPIES)),
+    )
+    def copy(self, source: int, destination: int, how: str) -> None:
+        self.caches[destination] = COPIES[how](self.caches[source])
         self.ops[destination] = list(self.ops[source])
 
     @rule(index=st.integers(0, NUM_CACHES - 1), kind=st.sampled_from(["select", "reorder"]), data=st.data())
