@@ -183,3 +183,20 @@ def test_the_adapter_of_a_half_precision_base_is_float32_and_every_weight_trains
     cache = model.new_cache()
     model.compress(cache, torch.tensor([[QUERY, 11, 41]]))
     assert cache.layers[0].keys.dtype == dtype and cache.memory_bytes() > 0
+
+
+def test_a_second_bf16_run_on_the_same_model_trains_under_autocast_again(tmp_path):
+    """accelerate marks the model it prepared and leaves a marked model as it is: a second run on the model trained
+    in fp32, without the autocast the recipe asked for."""
+    model, _ = student_and_teacher()
+    student_dtypes = record_autocast(model)
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1, precision="bf16")
+    samples = [recall_sample(random.Random(i)) for i in range(4)]
+    if not cpu_has_bf16():
+        with pytest.raises(ValueError, match=REFUSAL):
+            train(model, None, samples, None, tmp_path / "first", recipe)
+        return
+    for run in ("first", "second"):
+        student_dtypes.clear()
+        train(model, None, samples, None, tmp_path / run, recipe)
+        assert student_dtypes == [torch.bfloat16], run

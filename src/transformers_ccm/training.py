@@ -301,6 +301,8 @@ class TrainingRecipe:
 
 
 _check_recipe = partial(check_setting, "TrainingRecipe")
+# The attribute with which `Accelerator.prepare` marks a model as prepared (and then leaves it as it is).
+_ACCELERATE_PREPARED = "_is_accelerate_prepared"
 
 
 def train(
@@ -420,6 +422,9 @@ def train(
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     was_training = model.training
+    # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
+    # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
+    prepared_before = _ACCELERATE_PREPARED in vars(model)
     adapter = _trainable_state(model)
     try:
         try:
@@ -431,6 +436,8 @@ def train(
             # (bf16 stays a choice of the training run, not of every later forward).
             model.train(was_training)
             trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+            if not prepared_before:
+                vars(model).pop(_ACCELERATE_PREPARED, None)
         if trainer.is_world_process_zero():
             model.save_pretrained(output_dir)
     except BaseException:
