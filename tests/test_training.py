@@ -148,6 +148,32 @@ def test_train_gives_the_model_back_in_the_mode_it_had(tmp_path, fails):
     assert model.training
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(training=st.booleans(), switched=st.sets(st.integers(0, 200), max_size=6), fails=st.booleans())
+def test_train_gives_every_module_back_its_own_mode(tmp_path_factory, training, switched, fails):
+    """The model came back with every module in the model's mode: a module the caller kept in another mode (a
+    frozen part in evaluation mode within a model in training mode, say) was switched for good."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.5)))
+    model.train(training)
+    modules = list(model.modules())
+    for index in switched:
+        modules[index % len(modules)].train(not training)
+    before = [module.training for module in modules]
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
+        else:
+            train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert [module.training for module in modules] == before
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [

@@ -1629,19 +1629,27 @@ _PROBE_KWARG = "ccm_probe"
 
 
 @contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """Within the context, every module of `model` is in evaluation mode (no dropout); each gets its own mode back
-    when it ends. A model already in evaluation mode is left untouched."""
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Within the context, anything may switch the training mode of `model`'s modules; each gets its own mode back
+    when it ends, also on an error."""
     modes = {module: module.training for module in model.modules()}
-    if not any(modes.values()):
-        yield
-        return
-    model.eval()
     try:
         yield
     finally:
-        for module, training in modes.items():
+        for module, training in modes.items():  # parents first: each one's train() switches its children too
             module.train(training)
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Within the context, every module of `model` is in evaluation mode (no dropout); each gets its own mode back
+    when it ends. A model already in evaluation mode is left untouched."""
+    if not any(module.training for module in model.modules()):
+        yield
+        return
+    with modes_kept(model):
+        model.eval()
+        yield
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.files import replace_file
 from transformers_ccm.hub import VERIFIED_FILES, read_adapter
 from transformers_ccm.json_reading import parse_json_object
-from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.modeling import CCMForCausalLM, modes_kept
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.validation import check_setting, finite_number, is_int, number, positive_int
@@ -421,20 +421,20 @@ def train(
     if teacher is not None:
         trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
-    was_training = model.training
     # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
     # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
     prepared_before = _ACCELERATE_PREPARED in vars(model)
     adapter = _trainable_state(model)
     try:
         try:
-            trainer.train(resume_from_checkpoint=checkpoint)
-        finally:  # also when a step fails
-            # The Trainer switches the model to training mode and leaves it there: the caller gets it back in its own
-            # mode, so that dropout does not make every later compress and generate random. accelerate wraps the
-            # model's forward in the mixed-precision autocast: the caller gets the model back running as it was built
-            # (bf16 stays a choice of the training run, not of every later forward).
-            model.train(was_training)
+            # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
+            # mode back, also when a step fails, so that dropout does not make every later compress and generate
+            # random, and a module the caller kept in another mode than the model's stays in it.
+            with modes_kept(model):
+                trainer.train(resume_from_checkpoint=checkpoint)
+        finally:
+            # accelerate wraps the model's forward in the mixed-precision autocast: the caller gets the model back
+            # running as it was built (bf16 stays a choice of the training run, not of every later forward).
             trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
             if not prepared_before:
                 vars(model).pop(_ACCELERATE_PREPARED, None)
