@@ -102,18 +102,41 @@ def test_train_with_dense_supervision_and_distillation(tmp_path):
     assert not torch.equal(before, model.comp_embeddings)
 
 
-def test_train_distils_from_a_frozen_full_context_teacher(tmp_path):
+@pytest.mark.parametrize("fails", [False, True])
+def test_train_distils_from_a_frozen_full_context_teacher_and_gives_it_back_as_it_was(tmp_path, fails):
+    """The teacher runs in evaluation mode and changes no weight; it came back frozen for good and in evaluation mode,
+    and training it next (the fine-tuned baseline trained on) failed on a bare RuntimeError."""
     model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
     teacher = tiny_full_context_baseline(seed=3).train()
+    teacher.base_model.model.layers[0].eval()  # a module in another mode than the model's
+    modes = [module.training for module in teacher.modules()]
+    flags = {name: parameter.requires_grad for name, parameter in teacher.named_parameters()}
+    assert any(flags.values())
     teacher_before = {name: value.clone() for name, value in teacher.state_dict().items()}
+    teacher_modes: list[bool] = []
+    teacher.base_model.register_forward_pre_hook(lambda module, _: teacher_modes.append(module.training))
     before = model.comp_embeddings.detach().clone()
     rng = random.Random(0)
     recipe = TrainingRecipe(steps=2, batch_size=4, save_every=2, distill_weight=1.0)
     samples = [recall_sample(rng) for _ in range(8)]
-    trainer = train(model, None, samples, None, tmp_path / "out", recipe, teacher=teacher)
-    assert trainer.distill_teacher is teacher and not teacher.training
+    handle = fail_in_layer(model, 1, after_calls=1) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path / "out", recipe, teacher=teacher)
+        else:
+            trainer = train(model, None, samples, None, tmp_path / "out", recipe, teacher=teacher)
+            assert trainer.distill_teacher is teacher and not torch.equal(before, model.comp_embeddings)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert teacher_modes and not any(teacher_modes)  # no dropout in the targets
     assert all(torch.equal(value, teacher_before[name]) for name, value in teacher.state_dict().items())
-    assert not torch.equal(before, model.comp_embeddings)
+    assert [module.training for module in teacher.modules()] == modes
+    assert {name: parameter.requires_grad for name, parameter in teacher.named_parameters()} == flags
+    baseline = TrainingRecipe(steps=2, batch_size=4, save_every=2, layout="full_context")
+    train(teacher, None, samples, None, tmp_path / "teacher", baseline)
+    assert not all(torch.equal(value, teacher_before[name]) for name, value in teacher.state_dict().items())
 
 
 def _memory_keys(model):

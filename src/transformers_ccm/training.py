@@ -14,6 +14,7 @@ import platform
 import re
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -326,9 +327,10 @@ def train(
     samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
     streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model
     as the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the
-    plain history with its LoRA on; it is frozen and moved to `model`'s device. `stop_at_step` ends this run after
-    that step of the `recipe.steps` schedule (learning rate included), with a checkpoint and the adapter of that
-    step saved; `resume=True` later goes on with the rest of the schedule.
+    plain history with its LoRA on; it runs in evaluation mode (its modules get their own modes back after the run)
+    and without gradients (its `requires_grad` flags stay as they are), and is moved to `model`'s device, where it
+    stays. `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included),
+    with a checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule.
     """
     _refuse_sharded_launch()
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
@@ -419,7 +421,7 @@ def train(
         logger.warning("%s was cut short while saving (no %s): resuming from %s.", last, TRAINER_STATE_NAME, checkpoint)
     trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
     if teacher is not None:
-        trainer.distill_teacher = teacher.requires_grad_(False).eval().to(trainer.args.device)
+        trainer.distill_teacher = teacher.to(trainer.args.device)
     trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
     # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
     # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
@@ -430,7 +432,7 @@ def train(
             # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
             # mode back, also when a step fails, so that dropout does not make every later compress and generate
             # random, and a module the caller kept in another mode than the model's stays in it.
-            with modes_kept(model):
+            with modes_kept(model), _evaluating_for_the_run(teacher):
                 trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             # accelerate wraps the model's forward in the mixed-precision autocast: the caller gets the model back
@@ -448,6 +450,20 @@ def train(
         raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
+
+
+@contextmanager
+def _evaluating_for_the_run(teacher: CCMForCausalLM | None) -> Iterator[None]:
+    """Within the context, the distillation `teacher` (if any) is in evaluation mode, which `plain_prompt_logits` then
+    need not switch at every step; each of its modules gets its own mode back when it ends. Its weights need no
+    freezing: it runs without gradients. Frozen for good, a teacher trained next (the fine-tuned baseline trained on)
+    failed on a bare RuntimeError, with no gradient to take."""
+    if teacher is None:
+        yield
+        return
+    with modes_kept(teacher):
+        teacher.eval()
+        yield
 
 
 def check_stop_at_step(stop_at_step: int | None, recipe: TrainingRecipe) -> None:
