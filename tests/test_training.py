@@ -197,6 +197,39 @@ def test_train_gives_every_module_back_its_own_mode(tmp_path_factory, training, 
     assert [module.training for module in modules] == before
 
 
+def _hooks(model: torch.nn.Module) -> dict[str, int]:
+    """How many hooks of each kind `model`'s modules hold."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return {kind: sum(len(getattr(module, kind)) for module in model.modules()) for kind in kinds}
+
+
+@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("every_n_layers", [None, 2])
+def test_gradient_checkpointing_is_for_the_run_only(tmp_path, fails, every_n_layers):
+    """`TrainingRecipe(gradient_checkpointing=True)` left the model recomputing its activations, with a require-grads
+    hook on its embeddings, after the run, also a failed one; a model checkpointing already had it turned on again
+    with other settings."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    if every_n_layers is not None:
+        model.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    layers = [layer.gradient_checkpointing for layer in model.base_model.model.layers]
+    hooks = _hooks(model)
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1, gradient_checkpointing=True)
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path / "out", recipe)
+        else:
+            train(model, None, samples, None, tmp_path / "out", recipe)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert [layer.gradient_checkpointing for layer in model.base_model.model.layers] == layers
+    assert model.is_activation_checkpointing == (every_n_layers is not None) and _hooks(model) == hooks
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [

@@ -53,14 +53,25 @@ def test_generate_takes_the_prompt_under_transformers_name_inputs():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("enables", [1, 2])
 @pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])
-def test_activation_checkpointing_turns_off_again(name):
-    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
-    getattr(model, f"{name}_enable")()
-    assert model.is_activation_checkpointing
+def test_activation_checkpointing_turns_off_again(name, enables):
+    """Hooks included: transformers' enable registers a require-grads hook on the embeddings, which its disable left
+    there (and a second enable one more, for good), so that every forward of the frozen base built a graph."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()).eval()
+    embeddings = model.get_input_embeddings()
+    ids = torch.tensor([[5, 6, 7]])
+    with model.adapter_disabled():
+        assert not model.base_model(input_ids=ids).logits.requires_grad
+    for _ in range(enables):
+        getattr(model, f"{name}_enable")()
+    assert model.is_activation_checkpointing and len(embeddings._forward_hooks) == 1
     getattr(model, f"{name}_disable")()
     assert not model.is_activation_checkpointing
     assert not any(layer.gradient_checkpointing for layer in model.base_model.model.layers)
+    assert not embeddings._forward_hooks
+    with model.adapter_disabled():
+        assert not model.base_model(input_ids=ids).logits.requires_grad
 
 
 def test_resizing_the_token_embeddings_is_refused_and_leaves_the_model_and_its_memories_as_they_were():

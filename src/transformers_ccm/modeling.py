@@ -463,6 +463,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 )
         else:
             kwargs.setdefault("context_fn", LoRAGate.checkpoint_contexts)
+        # transformers registers the embeddings' require-grads hook at every call, and keeps a handle on the last
+        # one only: enabled twice, a hook stayed for good, which no disable removed.
+        self.base_model.disable_input_require_grads()
         self.base_model.activation_checkpointing_enable(kwargs, every_n_layers=every_n_layers, offload=offload)
 
     def adapter_disabled(self) -> AbstractContextManager[None]:
@@ -1366,8 +1369,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
 
     def activation_checkpointing_disable(self) -> None:
-        """Keep every decoder layer's activations again (undoes `activation_checkpointing_enable`)."""
+        """Keep every decoder layer's activations again (undoes `activation_checkpointing_enable`, the embeddings'
+        require-grads hook included)."""
         self.base_model.activation_checkpointing_disable()
+        # transformers removes the hook its enable registered only from a model it loaded a PEFT adapter into: left
+        # on the embeddings, it made every later forward of the frozen base model build a graph for backward.
+        self.base_model.disable_input_require_grads()
 
     @property
     def is_activation_checkpointing(self) -> bool:

@@ -403,8 +403,6 @@ def train(
         train_samples = collator.checked(train_samples, "train_samples")
         if eval_samples:
             eval_samples = collator.checked(eval_samples, "eval_samples")
-    if recipe.gradient_checkpointing:  # once every sample is read: a refused one leaves the model as it was
-        model.activation_checkpointing_enable()
     trainer = CCMTrainer(
         model=model,
         args=args,
@@ -432,7 +430,11 @@ def train(
             # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
             # mode back, also when a step fails, so that dropout does not make every later compress and generate
             # random, and a module the caller kept in another mode than the model's stays in it.
-            with modes_kept(model), _evaluating_for_the_run(teacher):
+            with (
+                modes_kept(model),
+                _evaluating_for_the_run(teacher),
+                _checkpointing_for_the_run(model, recipe.gradient_checkpointing),
+            ):
                 trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             # accelerate wraps the model's forward in the mixed-precision autocast: the caller gets the model back
@@ -464,6 +466,22 @@ def _evaluating_for_the_run(teacher: CCMForCausalLM | None) -> Iterator[None]:
     with modes_kept(teacher):
         teacher.eval()
         yield
+
+
+@contextmanager
+def _checkpointing_for_the_run(model: CCMForCausalLM, asked: bool) -> Iterator[None]:
+    """Within the context, with `asked`, `model` recomputes its activations during backward; one that kept them
+    before keeps them again when it ends, also on an error. Left on, the run's checkpointing (and the embeddings'
+    require-grads hook it registers) stayed with the model served or trained on; one already on is left as the caller
+    set it (its `every_n_layers`, say)."""
+    if not asked or model.is_activation_checkpointing:
+        yield
+        return
+    model.activation_checkpointing_enable()
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()
 
 
 def check_stop_at_step(stop_at_step: int | None, recipe: TrainingRecipe) -> None:
