@@ -7,6 +7,7 @@ import re
 import shutil
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -228,6 +229,36 @@ def test_gradient_checkpointing_is_for_the_run_only(tmp_path, fails, every_n_lay
             handle.remove()
     assert [layer.gradient_checkpointing for layer in model.base_model.model.layers] == layers
     assert model.is_activation_checkpointing == (every_n_layers is not None) and _hooks(model) == hooks
+
+
+def _generator_states() -> tuple:
+    return random.getstate(), repr(np.random.get_state()), torch.get_rng_state()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), fails=st.booleans())
+def test_train_gives_the_caller_its_random_generators_back(tmp_path_factory, seed, fails):
+    """The Trainer seeds Python's, numpy's and torch's generators with the run's seed: what a caller drew after
+    `train()` (sampled replies, say) was the same whatever seed it had set."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.5)))
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
+    samples = [recall_sample(random.Random(index)) for index in range(4)]
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    before = _generator_states()
+    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
+        else:
+            train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
+    finally:
+        if handle is not None:
+            handle.remove()
+    python, numpy, cpu = _generator_states()
+    assert python == before[0] and numpy == before[1] and torch.equal(cpu, before[2])
 
 
 @pytest.mark.parametrize(

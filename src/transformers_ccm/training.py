@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import platform
+import random
 import re
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -302,10 +304,32 @@ class TrainingRecipe:
 
 
 _check_recipe = partial(check_setting, "TrainingRecipe")
+
+
+@contextmanager
+def _caller_generators_kept() -> Iterator[None]:
+    """Within the context, anything may seed and draw from the global generators (Python's, numpy's, torch's on the
+    CPU and on every GPU); each gets its state back when it ends, also on an error."""
+    on_gpu = torch.cuda.is_available()
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    gpus = torch.cuda.get_rng_state_all() if on_gpu else []
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if on_gpu:
+            torch.cuda.set_rng_state_all(gpus)
+
+
 # The attribute with which `Accelerator.prepare` marks a model as prepared (and then leaves it as it is).
 _ACCELERATE_PREPARED = "_is_accelerate_prepared"
 
 
+# The Trainer seeds the global generators with the run's seed: the caller's were reseeded by every run, and whatever
+# the caller drew afterwards (sampled replies, say) was the same for every seed the caller had set.
+@_caller_generators_kept()
 def train(
     model: CCMForCausalLM,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -331,6 +355,8 @@ def train(
     and without gradients (its `requires_grad` flags stay as they are), and is moved to `model`'s device, where it
     stays. `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included),
     with a checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule.
+    The run draws its randomness from `recipe.seed`; the global generators (Python's, numpy's, torch's) are the
+    caller's again when it returns or fails.
     """
     _refuse_sharded_launch()
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
