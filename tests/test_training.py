@@ -689,6 +689,26 @@ def test_a_refused_resume_changes_nothing_and_an_allowed_one_goes_on(tmp_path_fa
     assert resumed.state.global_step == 2
 
 
+def test_a_resumed_run_that_fails_gives_the_model_back_with_its_own_config(tmp_path_factory, two_checkpoints):
+    """The Trainer loads the checkpoint's adapter, its config included, before the first step: a resumed run that
+    failed gave the adapter's weights back, and kept the checkpoint's config (its base model's name, say)."""
+    folder, samples = two_checkpoints
+    run = tmp_path_factory.mktemp("failing") / "run"
+    shutil.copytree(folder, run)
+    shutil.rmtree(run / "checkpoint-2")
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    model.config = replace(model.config, base_model_name_or_path="moved/base", ema_alpha=0.25)
+    config, before = model.config, {key: value.clone() for key, value in model.state_dict().items()}
+    handle = fail_in_layer(model, 1, after_calls=0)
+    try:
+        with pytest.raises(InjectedFailure):
+            train(model, None, samples, None, run, TrainingRecipe(steps=2, batch_size=2, save_every=1), resume=True)
+    finally:
+        handle.remove()
+    assert model.config == config
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+
+
 @pytest.mark.parametrize(("architecture", "seed"), [("llama", 5), ("qwen2", 0)], ids=["other-weights", "other-arch"])
 def test_resume_refuses_another_base_model(tmp_path_factory, two_checkpoints, architecture, seed):
     """A run resumed on another base of the same shape (another checkpoint or fine-tune of the architecture) trained

@@ -450,7 +450,7 @@ def train(
     # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
     # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
     prepared_before = _ACCELERATE_PREPARED in vars(model)
-    adapter = _trainable_state(model)
+    adapter, config = _trainable_state(model), model.config
     try:
         try:
             # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
@@ -473,8 +473,10 @@ def train(
     except BaseException:
         # A failed run (an out-of-memory error, an interrupt, a full disk) gives the adapter back as it came, not with
         # the gradients of a backward or the weights of the steps it made: its checkpoints (the last step's always
-        # among them) hold what it trained, and `resume=True` goes on from there.
+        # among them) hold what it trained, and `resume=True` goes on from there. A resumed one loaded the
+        # checkpoint's config with its adapter (its base model's name, say), which goes back too.
         _restore_trainable_state(adapter)
+        model.config = config
         raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
     return trainer
