@@ -327,9 +327,6 @@ def _caller_generators_kept() -> Iterator[None]:
 _ACCELERATE_PREPARED = "_is_accelerate_prepared"
 
 
-# The Trainer seeds the global generators with the run's seed: the caller's were reseeded by every run, and whatever
-# the caller drew afterwards (sampled replies, say) was the same for every seed the caller had set.
-@_caller_generators_kept()
 def train(
     model: CCMForCausalLM,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -429,24 +426,42 @@ def train(
         train_samples = collator.checked(train_samples, "train_samples")
         if eval_samples:
             eval_samples = collator.checked(eval_samples, "eval_samples")
-    trainer = CCMTrainer(
-        model=model,
-        args=args,
-        train_dataset=list(train_samples),
-        eval_dataset=list(eval_samples) if eval_samples else None,
-        data_collator=collator,
-        callbacks=None if stop_at_step is None else [_StopAtStep(stop_at_step)],
-    )
-    trainer.sample_lengths, trainer.stop_at_step = sample_lengths, stop_at_step
-    trainer.run_settings = {**_run_settings(recipe, model.config), BASE_FINGERPRINT: base_fingerprint}
     checkpoint = _resumed_checkpoint(output_dir) if resume else None
     last = get_last_checkpoint(os.fspath(output_dir)) if resume else None
     if checkpoint != last:
         logger.warning("%s was cut short while saving (no %s): resuming from %s.", last, TRAINER_STATE_NAME, checkpoint)
-    trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
-    if teacher is not None:
-        trainer.distill_teacher = teacher.to(trainer.args.device)
-    trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
+    # The Trainer seeds the global generators with the run's seed: the caller's were reseeded by every run, and
+    # whatever the caller drew afterwards (sampled replies, say) was the same for every seed it had set. Taken once the
+    # arguments have set this process's GPU, so that reading the GPUs' generators sets up no other one.
+    with _caller_generators_kept():
+        trainer = CCMTrainer(
+            model=model,
+            args=args,
+            train_dataset=list(train_samples),
+            eval_dataset=list(eval_samples) if eval_samples else None,
+            data_collator=collator,
+            callbacks=None if stop_at_step is None else [_StopAtStep(stop_at_step)],
+        )
+        trainer.sample_lengths, trainer.stop_at_step = sample_lengths, stop_at_step
+        trainer.run_settings = {**_run_settings(recipe, model.config), BASE_FINGERPRINT: base_fingerprint}
+        trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
+        if teacher is not None:
+            trainer.distill_teacher = teacher.to(trainer.args.device)
+        trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
+        _run(trainer, model, teacher, recipe.gradient_checkpointing, checkpoint, output_dir)
+    return trainer
+
+
+def _run(
+    trainer: CCMTrainer,
+    model: CCMForCausalLM,
+    teacher: CCMForCausalLM | None,
+    gradient_checkpointing: bool,
+    checkpoint: str | None,
+    output_dir: str | os.PathLike[str],
+) -> None:
+    """Train `model` with `trainer` (from `checkpoint`, if any) and save its adapter to `output_dir`, giving back
+    what the run changes for its own sake only; a failed run gives the model back as it came."""
     # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
     # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
     prepared_before = _ACCELERATE_PREPARED in vars(model)
@@ -459,7 +474,7 @@ def train(
             with (
                 modes_kept(model),
                 _evaluating_for_the_run(teacher),
-                _checkpointing_for_the_run(model, recipe.gradient_checkpointing),
+                _checkpointing_for_the_run(model, gradient_checkpointing),
             ):
                 trainer.train(resume_from_checkpoint=checkpoint)
         finally:
@@ -479,7 +494,6 @@ def train(
         model.config = config
         raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
-    return trainer
 
 
 @contextmanager
