@@ -340,20 +340,21 @@ def train(
 ) -> CCMTrainer:
     """Train `model`'s adapter on `train_samples`, evaluating the loss on `eval_samples` as it goes.
 
-    Checkpoints go to `output_dir/checkpoint-*` and the final adapter to `output_dir`; `resume=True` continues from
-    the last checkpoint. `recipe.precision` picks bf16 mixed precision or fp32 (by default bf16 on a GPU, fp32 on
-    CPU). Under `accelerate launch` or `torchrun` (DDP) every process trains the same adapter, only the main process
-    writes files, and every process returns once the final adapter is written (call
-    `torch.distributed.destroy_process_group()` before the script exits). `tokenizer` is needed for
-    samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
-    streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model
-    as the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the
-    plain history with its LoRA on; it runs in evaluation mode (its modules get their own modes back after the run)
-    and without gradients (its `requires_grad` flags stay as they are), and is moved to `model`'s device, where it
-    stays. `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included),
-    with a checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule.
-    The run draws its randomness from `recipe.seed`; the global generators (Python's, numpy's, torch's) are the
-    caller's again when it returns or fails.
+    `model` itself is trained: it returns holding the final adapter, on the device it trained on (the GPU, if any, as
+    with the `Trainer`), every module in the training mode it had. Checkpoints go to `output_dir/checkpoint-*` and the
+    final adapter to `output_dir`; `resume=True` continues from the last checkpoint. `recipe.precision` picks bf16 mixed
+    precision or fp32 (by default bf16 on a GPU, fp32 on CPU). Under `accelerate launch` or `torchrun` (DDP) every
+    process trains the same adapter, only the main process writes files, and every process returns once the final
+    adapter is written (call `torch.distributed.destroy_process_group()` before the script exits). `tokenizer` is needed
+    for samples given as text (and gives the padding id); None for token ids. With `recipe.streaming`, samples are
+    streams: token-id sequences of one length. `teacher` (with `recipe.distill_weight > 0`) replaces the base model as
+    the distillation teacher: e.g. the fine-tuned full-context baseline of the same base model, which reads the plain
+    history with its LoRA on; it runs in evaluation mode (its modules get their own modes back after the run) and
+    without gradients (its `requires_grad` flags stay as they are), and is moved to `model`'s device, where it stays.
+    `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included), with a
+    checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule. The run
+    draws its randomness from `recipe.seed`; the global generators (Python's, numpy's, torch's) are the caller's again
+    when it returns or fails.
     """
     _refuse_sharded_launch()
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
