@@ -262,6 +262,23 @@ def test_train_gives_the_caller_its_random_generators_back(tmp_path_factory, see
 
 
 @pytest.mark.parametrize(
+    ("context", "name"), [(torch.no_grad, "torch.no_grad()"), (torch.inference_mode, "torch.inference_mode()")]
+)
+def test_train_with_gradients_disabled_is_refused_before_any_work(tmp_path, context, name):
+    """Inside `torch.no_grad()` (an evaluation loop's, say) the first step's backward failed on a bare RuntimeError,
+    with the output folder made."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    with context(), pytest.raises(ValueError, match=rf"inside {re.escape(name)}, where no gradient.*call it outside"):
+        train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1))
+    assert not (tmp_path / "out").exists()
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=2, batch_size=2, save_every=2))
+    assert not torch.equal(model.comp_embeddings, before["comp_embeddings"])
+
+
+@pytest.mark.parametrize(
     ("setting", "value"),
     [
         ("steps", 0),  # the Trainer read it as "train 3 epochs instead"

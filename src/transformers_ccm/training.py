@@ -357,6 +357,7 @@ def train(
     when it returns or fails.
     """
     _refuse_sharded_launch()
+    _refuse_disabled_gradients()
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
         raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
@@ -599,6 +600,18 @@ def _refuse_sharded_launch() -> None:
             f"ccm training runs with DDP, not {' or '.join(sharded)}: the adapter is a few MB and the base model is "
             "frozen, so sharding saves little, and PEFT's frozen base would need FSDP's use_orig_params. Launch "
             "with `accelerate launch --multi_gpu ...` or `torchrun --nproc_per_node N ...` instead."
+        )
+
+
+def _refuse_disabled_gradients() -> None:
+    """Raise, before any work, inside `torch.no_grad()` or `torch.inference_mode()`: the Trainer then ran the first
+    step's forward without a graph, and failed at its backward on a bare RuntimeError ("element 0 of tensors does not
+    require grad"), with the output folder made."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        context = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise ValueError(
+            f"train() was called inside {context}, where no gradient can be taken; call it outside that context (or "
+            "within torch.enable_grad() and torch.inference_mode(False))."
         )
 
 
