@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.workload import FULL_CONTEXT
-from transformers_ccm.extras import pyplot
+from transformers_ccm.extras import figure
 
 TARGET_STEP = 16
 
@@ -357,19 +357,17 @@ def print_tables(found: list[Table]) -> None:
 # ----- plots ----------------------------------------------------------------------------------------------
 def plot(results: dict[str, Any], output_dir: str) -> list[str]:
     """One PNG per benchmark that ran; returns the file names."""
-    plt = pyplot()
-
     written = []
 
-    def save(figure: Any, name: str) -> None:
-        figure.tight_layout()
-        figure.savefig(os.path.join(output_dir, name), dpi=110)
-        plt.close(figure)
+    def save(drawing: Any, name: str) -> None:
+        drawing.tight_layout()
+        drawing.savefig(os.path.join(output_dir, name), dpi=110)
         written.append(name)
 
     if "memory" in results:
         memory = results["memory"]
-        figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        drawing = figure(figsize=(10, 3.8))
+        axes = drawing.subplots(1, 2)
         for axis, source, title in (
             (axes[0], memory, f"{results['model']} (measured)"),
             (axes[1], memory["llama_7b"], "LLaMA-7B fp16 (from its config)"),
@@ -379,11 +377,12 @@ def plot(results: dict[str, Any], output_dir: str) -> list[str]:
             axis.set(title=title, xlabel="time step t", ylabel="KV memory (MiB)", yscale="log")
             axis.grid(alpha=0.3)
         axes[0].legend()
-        save(figure, "memory.png")
+        save(drawing, "memory.png")
     if "latency" in results:
         rows = results["latency"]["rows"]
         kinds = list(dict.fromkeys(row["kind"] for row in rows))
-        figure, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.8), squeeze=False)
+        drawing = figure(figsize=(5 * len(kinds), 3.8))
+        axes = drawing.subplots(1, len(kinds), squeeze=False)
         for axis, kind in zip(axes[0], kinds, strict=True):
             for method in dict.fromkeys(r["method"] for r in rows):
                 points = [
@@ -396,12 +395,13 @@ def plot(results: dict[str, Any], output_dir: str) -> list[str]:
             axis.set(title=f"{kind} turn", xlabel="time step t", ylabel="latency / no context")
             axis.grid(alpha=0.3)
         axes[0][0].legend()
-        save(figure, "latency.png")
+        save(drawing, "latency.png")
     if "throughput" in results:
         rows = results["throughput"]["rows"]
         labels = list(dict.fromkeys(row["batch"] for row in rows))
         methods = list(dict.fromkeys(row["method"] for row in rows))
-        figure, axis = plt.subplots(figsize=(6, 3.8))
+        drawing = figure(figsize=(6, 3.8))
+        axis = drawing.subplots()
         width = 0.8 / len(methods)
         for index, method in enumerate(methods):
             values = [
@@ -415,10 +415,11 @@ def plot(results: dict[str, Any], output_dir: str) -> list[str]:
         )
         axis.set(title=f"throughput at t={results['throughput']['step']}", ylabel="samples / s")
         axis.legend()
-        save(figure, "throughput.png")
+        save(drawing, "throughput.png")
     if "training" in results:
         rows = results["training"]["rows"]
-        figure, axis = plt.subplots(figsize=(6, 3.8))
+        drawing = figure(figsize=(6, 3.8))
+        axis = drawing.subplots()
         names = [f"{r['method']}\nt={r['step']}" for r in rows]
         axis.bar(
             [x - 0.2 for x in range(len(rows))], [r["parallel_samples_per_second"] for r in rows], 0.4, label="parallel"
@@ -432,7 +433,7 @@ def plot(results: dict[str, Any], output_dir: str) -> list[str]:
         axis.set_xticks(range(len(rows)), names)
         axis.set(title="training forward+backward", ylabel="samples / s")
         axis.legend()
-        save(figure, "training.png")
+        save(drawing, "training.png")
     return written
 
 

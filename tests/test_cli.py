@@ -1065,7 +1065,7 @@ def test_eval_without_matplotlib_fails_before_the_model_loads(tmp_path, monkeypa
     """The plot, drawn last, found matplotlib missing only once every model had run (hours at t = 16)."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # an import of it fails, as where it is missing
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # an import of it fails, as where it is missing
     with pytest.raises(ImportError, match="Plotting needs the package 'matplotlib'"):
         main([command[0], "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *command[1:]])
     assert not (tmp_path / "out").exists()

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiny_models import randomize_adapter, tiny_llama_for
-from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample
+from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.cli import _samples_digest
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
@@ -515,6 +515,36 @@ def test_peak_kv_bytes_are_the_most_any_forward_held(tokenizer, update, dtype, b
     cache = model.new_cache(1)
     model.compress(cache, torch.tensor([[5, 6, 7]]))
     assert cache.memory_bytes() == cache.memory_length * memory_slot_bytes(model)
+
+
+def test_plots_leave_matplotlib_as_the_caller_set_it(tmp_path):
+    """`plot` and `plot_stream` switched the process's matplotlib backend to Agg: a notebook's or an interactive
+    window's `plt.show()` showed nothing afterwards. They draw without pyplot, whose figures stay the caller's."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from transformers_ccm.stream_evaluation import StreamResult, plot_stream
+
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        own = plt.figure()
+        rows = [
+            {"task": "icl", "method": method, "wordings": "seen", "steps": steps, "metric": "accuracy", "value": 0.5,
+             "low": 0.4, "high": 0.6, "context_kv_tokens": float(steps)}
+            for method in ("ccm-concat", "full_context") for steps in (1, 2)
+        ]  # fmt: skip
+        plot(rows, str(tmp_path / "eval.png"))
+        streaming = StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+        streamed = StreamResult("ccm", streaming, 14, [1.0, 2.0, 1.5, 0.5], [3, 6, 8], 2)
+        plot_stream([streamed], 2, str(tmp_path / "stream.png"))
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == [own.number] and plt.gcf() is own
+    finally:
+        plt.close("all")
+        matplotlib.use(backend)
+    for name in ("eval.png", "stream.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), name
 
 
 @pytest.mark.parametrize("cast", ["model", "base model"])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
-from transformers_ccm.extras import pyplot
+from transformers_ccm.extras import figure
 from transformers_ccm.files import made_folder, replace_files
 from transformers_ccm.validation import positive_int
 
@@ -549,7 +549,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         )
     _check_output_dir(args.output_dir)
     # The report's plot is drawn last: without matplotlib, fail now rather than once every model has run.
-    pyplot()
+    figure()
     results: list[dict] = []
     if args.add_to:
         results, drawn = _earlier_report(args.add_to)
@@ -699,7 +699,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     _check_device(args.device)
     _check_output_dir(args.output_dir)
     # The report's plot is drawn last: without matplotlib, fail now rather than once every model has run.
-    pyplot()
+    figure()
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
     try:  # a byte-order mark, as some editors write one, is not part of the text (it was streamed and scored)

@@ -20,7 +20,7 @@ import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.data import OnlineSample, check_position_limit, check_sample, sample_entries, token_ids
-from transformers_ccm.extras import pyplot
+from transformers_ccm.extras import figure
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.validation import positive_int
 
@@ -467,12 +467,11 @@ def _finite_or_null(value: Any) -> Any:
 def plot(results: Sequence[Row], path: str) -> None:
     """Performance (with 95% intervals, seen wordings solid, unseen dashed) and context KV memory over time
     steps, per task (like the paper's Fig. 4 and 9)."""
-    plt = pyplot()
-
     tasks = sorted({str(r["task"]) for r in results})
     methods = sorted({str(r["method"]) for r in results})
     colors = {method: f"C{index}" for index, method in enumerate(methods)}
-    figure, axes = plt.subplots(2, len(tasks), figsize=(4.6 * len(tasks), 6.8), squeeze=False)
+    drawing = figure(figsize=(4.6 * len(tasks), 6.8))
+    axes = drawing.subplots(2, len(tasks), squeeze=False)
     for column, task in enumerate(tasks):
         task_results = [r for r in results if r["task"] == task]
         for method, wordings in sorted({(str(r["method"]), str(r["wordings"])) for r in task_results}):
@@ -499,9 +498,8 @@ def plot(results: Sequence[Row], path: str) -> None:
             row[column].set_xscale("log", base=2)
             row[column].grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    drawing.tight_layout()
+    drawing.savefig(path, dpi=120)
 
 
 def _with_interval(value: float, interval: Sequence[float]) -> str:

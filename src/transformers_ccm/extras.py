@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 APPS_EXTRA = "pip install 'transformers-ccm[apps]'"
 
@@ -20,7 +21,8 @@ def require(module: str, purpose: str) -> ModuleType:
         raise ImportError(f"{purpose} needs the package '{module.split('.')[0]}': {APPS_EXTRA}") from None
 
 
-def pyplot() -> ModuleType:
-    """matplotlib's pyplot with a backend that needs no display."""
-    require("matplotlib", "Plotting").use("Agg")
-    return require("matplotlib.pyplot", "Plotting")
+def figure(**settings: Any) -> Any:
+    """A matplotlib `Figure` of `settings` (`figsize`, ...), drawn and saved without pyplot: pyplot's `use("Agg")`
+    switched the backend of the whole process, and a notebook's or an interactive window's `plt.show()` then showed
+    nothing."""
+    return require("matplotlib.figure", "Plotting").Figure(**settings)

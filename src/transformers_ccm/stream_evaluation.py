@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.extras import pyplot
+from transformers_ccm.extras import figure
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.validation import is_int, positive_int
@@ -111,9 +111,8 @@ def bucket_perplexity(token_nll: Sequence[float], bucket: int) -> list[float]:
 
 def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None:
     """Perplexity per bucket over the stream, and the KV held, per method (like the paper's Fig. 7)."""
-    plt = pyplot()
-
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.4), sharex=True)
+    drawing = figure(figsize=(7.5, 6.4))
+    top, bottom = drawing.subplots(2, 1, sharex=True)
     for result in results:
         buckets = bucket_perplexity(result.token_nll, bucket)
         ends = [min((i + 1) * bucket, len(result.token_nll)) for i in range(len(buckets))]
@@ -127,9 +126,8 @@ def plot_stream(results: Sequence[StreamResult], bucket: int, path: str) -> None
     bottom.set_xlabel("tokens streamed")
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    drawing.tight_layout()
+    drawing.savefig(path, dpi=120)
 
 
 def _check_positive(value: object, name: str) -> None:
