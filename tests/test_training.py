@@ -261,6 +261,29 @@ def test_train_gives_the_caller_its_random_generators_back(tmp_path_factory, see
     assert python == before[0] and numpy == before[1] and torch.equal(cpu, before[2])
 
 
+@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("own", [None, True])
+def test_train_leaves_the_model_config_as_it_was(tmp_path, own, fails):
+    """The Trainer sets `model.config.use_cache = False` for good: a CCMConfig held an attribute of the run's after
+    it, which a caller reading `getattr(model.config, "use_cache", True)` took for its own."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0)))
+    if own is not None:
+        model.config.use_cache = own
+    config = model.config
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
+    try:
+        if fails:
+            with pytest.raises(InjectedFailure):
+                train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1))
+        else:
+            train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1))
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert model.config is config and getattr(model.config, "use_cache", "unset") == ("unset" if own is None else own)
+
+
 @pytest.mark.parametrize(
     ("context", "name"), [(torch.no_grad, "torch.no_grad()"), (torch.inference_mode, "torch.inference_mode()")]
 )

@@ -323,10 +323,6 @@ def _caller_generators_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(gpus)
 
 
-# The attribute with which `Accelerator.prepare` marks a model as prepared (and then leaves it as it is).
-_ACCELERATE_PREPARED = "_is_accelerate_prepared"
-
-
 def train(
     model: CCMForCausalLM,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -435,7 +431,8 @@ def train(
     # The Trainer seeds the global generators with the run's seed: the caller's were reseeded by every run, and
     # whatever the caller drew afterwards (sampled replies, say) was the same for every seed it had set. Taken once the
     # arguments have set this process's GPU, so that reading the GPUs' generators sets up no other one.
-    with _caller_generators_kept():
+    # The Trainer also sets `use_cache=False` on the model's config, for good: a new attribute of a CCMConfig.
+    with _caller_generators_kept(), _attribute_kept(model.config, "use_cache"):
         trainer = CCMTrainer(
             model=model,
             args=args,
@@ -464,27 +461,25 @@ def _run(
 ) -> None:
     """Train `model` with `trainer` (from `checkpoint`, if any) and save its adapter to `output_dir`, giving back
     what the run changes for its own sake only; a failed run gives the model back as it came."""
-    # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model trained
-    # without the first run's mixed-precision autocast (bf16 became fp32 without a word).
-    prepared_before = _ACCELERATE_PREPARED in vars(model)
     adapter, config = _trainable_state(model), model.config
     try:
         try:
             # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
             # mode back, also when a step fails, so that dropout does not make every later compress and generate
             # random, and a module the caller kept in another mode than the model's stays in it.
+            # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model
+            # trained without the first run's mixed-precision autocast (bf16 became fp32 without a word).
             with (
                 modes_kept(model),
                 _evaluating_for_the_run(teacher),
                 _checkpointing_for_the_run(model, gradient_checkpointing),
+                _attribute_kept(model, "_is_accelerate_prepared"),
             ):
                 trainer.train(resume_from_checkpoint=checkpoint)
         finally:
             # accelerate wraps the model's forward in the mixed-precision autocast: the caller gets the model back
             # running as it was built (bf16 stays a choice of the training run, not of every later forward).
             trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-            if not prepared_before:
-                vars(model).pop(_ACCELERATE_PREPARED, None)
         if trainer.is_world_process_zero():
             model.save_pretrained(output_dir)
     except BaseException:
@@ -496,6 +491,21 @@ def _run(
         model.config = config
         raise
     trainer.accelerator.wait_for_everyone()  # every process returns with the final adapter on disk
+
+
+@contextmanager
+def _attribute_kept(holder: object, name: str) -> Iterator[None]:
+    """Within the context, anything may set the attribute `name` of `holder`; it gets its own value back (or none)
+    when it ends, also on an error."""
+    attributes = vars(holder)
+    had, value = name in attributes, attributes.get(name)
+    try:
+        yield
+    finally:
+        if had:
+            attributes[name] = value
+        else:
+            attributes.pop(name, None)
 
 
 @contextmanager
