@@ -467,12 +467,12 @@ def _run(
             # The Trainer switches the whole model to training mode and leaves it there: every module gets its own
             # mode back, also when a step fails, so that dropout does not make every later compress and generate
             # random, and a module the caller kept in another mode than the model's stays in it.
-            # accelerate marks the model it prepared, and skips any model so marked: a second run on the same model
-            # trained without the first run's mixed-precision autocast (bf16 became fp32 without a word).
             with (
                 modes_kept(model),
                 _evaluating_for_the_run(teacher),
                 _checkpointing_for_the_run(model, gradient_checkpointing),
+                # accelerate marks the model it prepared, and skips any model so marked: a second run on the same
+                # model trained without the first run's mixed-precision autocast (bf16 became fp32 without a word).
                 _attribute_kept(model, "_is_accelerate_prepared"),
             ):
                 trainer.train(resume_from_checkpoint=checkpoint)
