@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import TrainingArguments
 
 from crafted_files import pipe_feeding
@@ -791,6 +792,36 @@ def test_a_run_killed_anywhere_resumes_to_the_adapter_of_the_uninterrupted_run(
         return  # killed before the first checkpoint was whole: nothing to resume
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
     train(model, None, samples, samples[:2], run, recipe, resume=True)
+    for name, tensor in model.adapter_tensors().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("step", [3, 4, 5])
+def test_a_run_interrupted_between_optimizer_and_scheduler_resumes_without_repeating_or_skipping_a_step(
+    tmp_path, uninterrupted, step
+):
+    """Ctrl-C right after the optimizer wrote step `step`'s weights, before the scheduler, the step counter and that
+    step's save (checkpoints every 2 steps): no checkpoint holds a half-applied step, and the model is given back as
+    it came; resumed, the run ends bit for bit where the uninterrupted one did."""
+    samples, recipe, expected, _ = uninterrupted
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    before = model.adapter_tensors()
+    steps = itertools.count(1)
+
+    def interrupt(*_: object) -> None:
+        if next(steps) == step:
+            raise KeyboardInterrupt
+
+    handle = register_optimizer_step_post_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(model, None, samples, samples[:2], tmp_path / "run", recipe)
+    finally:
+        handle.remove()
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.adapter_tensors().items())
+    saved = sorted(int(path.parent.name.split("-")[1]) for path in (tmp_path / "run").glob("*/trainer_state.json"))
+    assert saved == list(range(2, step, 2))
+    train(model, None, samples, samples[:2], tmp_path / "run", recipe, resume=True)
     for name, tensor in model.adapter_tensors().items():
         assert torch.equal(tensor, expected[name]), name
 
