@@ -1616,6 +1616,23 @@ def test_gpt2_history_past_its_positions_is_refused_with_the_fix():
     model.compress(cache, torch.tensor([[5, 6]]))  # the failed call left a usable cache
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history=st.integers(440, 508), extra=st.integers(0, 3))
+def test_a_gpt2_input_past_its_positions_is_refused_naming_the_position_it_would_reach(history: int, extra: int):
+    """The refusal named the position after the input's last (542 for one whose last token would sit at 541), one
+    past the figure `generate()`'s own check gives for the same input."""
+    model = tiny_ccm("gpt2")
+    cache = model.new_cache()
+    model.compress(cache, (torch.arange(history) % 90 + 3)[None])  # the <COMP> tokens take no position after it
+    fits = 512 - history  # the tokens that still fit: the last takes position 511
+    with torch.no_grad():
+        model(input_ids=torch.full((1, fits), 7), past_key_values=cache.copy())
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=rf"would reach position {512 + extra} after this memory's history, past "):
+        model(input_ids=torch.full((1, fits + 1 + extra), 7), past_key_values=cache)
+    assert_same(before, snapshot(cache))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     memory=st.lists(st.integers(460, 505), min_size=1, max_size=2),

@@ -942,9 +942,10 @@ class CompressedMemoryCache(Cache):
         rotation = self.spec.rebase_rotation
         if rotation is None:
             raise ValueError(
-                f"This memory's history reaches position {int(end.max())}, past the model's {self.max_positions} "
-                f"positions, which cannot be moved ({_FIXED_POSITIONS}). Start a new cache for this user, or use a "
-                "model with rotary position embeddings in that layout (positions are then re-based automatically)."
+                f"This input would reach position {int(end.max()) - 1} after this memory's history, past the model's "
+                f"{self.max_positions} positions, which cannot be moved ({_FIXED_POSITIONS}). Start a new cache for "
+                "this user, or use a model with rotary position embeddings in that layout (positions are then re-based "
+                "automatically)."
             )
         # Back to half the positions, so that re-basing is rare; further where the input needs more room: an input
         # of more than half the positions that fits them was refused after any history.
