@@ -485,6 +485,44 @@ def test_crafted_streams_are_refused_with_a_value_error_that_names_the_problem(t
         CompressedMemoryCache.load(path, model)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+def test_a_count_of_folds_stays_within_the_bound(tmp_path, update, streaming):
+    """A count of folds past any memory's loaded where a concat cap or merge/EMA memory kept it from showing in the
+    slots: from 2**63 - 1 the next fold wrapped it to a negative count (merge then kept that fold's keys/values alone),
+    and the memory saved after it never loaded. Files past the bound are refused; a fold at it keeps the count."""
+    model = tiny_ccm("llama", update=update, **({"max_memory_tokens": 4} if update == "concat" else {}))
+    if streaming:
+        cache = model.new_cache(
+            2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+        )
+        model(input_ids=torch.tensor([list(range(3, 19))] * 2), past_key_values=cache)
+    else:
+        cache = _filled(model)
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    for steps in (2**62 + 1, 2**63 - 1):
+        _rewrite(path, tensors=_with("steps", torch.tensor([2, steps])))
+        with pytest.raises(
+            ValueError, match=re.escape(f"its rows folded [2, {steps}] contexts ('steps'), more than any")
+        ):
+            CompressedMemoryCache.load(path, model)
+    _rewrite(path, tensors=_with("steps", torch.tensor([2**62, 2**62])))
+    loaded = CompressedMemoryCache.load(path, model)
+    slots = slice(loaded.sink_length, loaded.sink_length + loaded.memory_length)  # a stream's follow its sink
+    memory = [layer.keys[:, :, slots].clone() for layer in loaded.layers]
+    if streaming:
+        model(input_ids=torch.tensor([list(range(20, 30))] * 2), past_key_values=loaded)
+    else:
+        model.compress(loaded, torch.tensor([[5], [6]]))
+    assert loaded.steps.tolist() == [2**62, 2**62]
+    if update == "merge":  # a mean of 2**62 + 1 contexts: the newest weighs nothing
+        for layer, before in zip(loaded.layers, memory, strict=True):
+            torch.testing.assert_close(layer.keys[:, :, slots], before, atol=1e-6, rtol=0)
+    loaded.save(path)
+    assert CompressedMemoryCache.load(path, model).steps.tolist() == [2**62, 2**62]
+
+
 def _lengths_edit(edit):
     """A `_rewrite` tensors edit of a stream's per-row lengths `(batch, 4)`."""
     return lambda tensors: {**tensors, "stream_lengths": edit(tensors["stream_lengths"].clone())}

@@ -54,6 +54,9 @@ MEMORY_FORMAT_VERSION = "3"
 # The most tokens a row may take in (`history_tokens`): far beyond any real history, and bounded (a file is refused
 # past it, a turn that would pass it too) so that the count never overflows int64 and every saved memory loads.
 _MOST_HISTORY_TOKENS = 2**62
+# The most folds a row counts (`steps`): a file is refused past it, and a fold there leaves the count as it is (merge:
+# its 1/t is then 0 to float precision anyway), so that the count never overflows int64 and every saved memory loads.
+_MOST_FOLDS = 2**62
 # The signature fields that files of older format versions did not record: version 1 identified neither the base
 # weights nor, as version 2, the LoRA scaling, the gate and the base config. Such a file is checked on the rest.
 _UNRECORDED = {
@@ -1014,7 +1017,7 @@ class CompressedMemoryCache(Cache):
         """
         n, config, state = num_comp_tokens, self.config, self.rows
         rows = rows.to(state.memory_mask.device)
-        steps = state.steps + rows.long()
+        steps = _folded(state.steps, rows)
         if config.update == "concat":
             keep = torch.cat([state.memory_mask, rows[:, None].expand(-1, n)], dim=1)
             if config.max_memory_tokens is not None:
@@ -1218,7 +1221,7 @@ class CompressedMemoryCache(Cache):
         assert rotation is not None
         sink, memory, window, compressed = self.stream_lengths.unbind(1)
         held, source, chunk_end = sink + memory + window, self._held_width(), self._chunk_ends(rows)
-        steps = self.rows.steps + rows.to(self.rows.steps.device)
+        steps = _folded(self.rows.steps, rows)
         kept = sink + memory
         keep = streaming.keep_window_full
         rest = torch.where(rows & (not keep), chunk_end, kept)  # where each row's window goes on from
@@ -1743,6 +1746,12 @@ class _MemoryFile:
             self._check_folds(mask, positions, steps)
         else:
             self._check_stream_folds(mask, steps)
+        # A count past the bound (a concat cap or merge/EMA memory hides it from the slots) wrapped to a negative one
+        # at the next fold (merge then took that fold's keys/values alone), and the memory saved after it never loaded.
+        if bool((steps > _MOST_FOLDS).any()):
+            raise self._fail(
+                f"its rows folded {steps.tolist()} contexts ('steps'), more than any memory counts ({_MOST_FOLDS})"
+            )
 
     def _check_folds(self, mask: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> None:
         """Raise unless each row's slots and position are what its number of folded contexts gives: concat
@@ -1905,6 +1914,11 @@ class _MemoryFile:
     def layer_state(self, index: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{index}."
         return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+
+def _folded(steps: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The count of folds `(batch,)` after `rows` `(batch,)` bool fold one more, kept within `_MOST_FOLDS`."""
+    return (steps + rows.to(steps.device)).clamp(max=_MOST_FOLDS)
 
 
 def _check_finite_memory(tensors: list[torch.Tensor]) -> None:
