@@ -826,7 +826,7 @@ def test_chat_goes_on_after_a_message_it_cannot_answer(tiny_model, adapter, tmp_
     main([*arguments, "--max-new-tokens", "2"])
     captured = capsys.readouterr()
     assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
-    assert "ccm chat: that message was not answered (An input of 2" in captured.err
+    assert "ccm chat: that message was not answered (A prompt of 2" in captured.err
     assert "the memory is as it was" in captured.err
 
 

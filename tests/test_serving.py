@@ -1705,6 +1705,48 @@ def test_rotary_positions_are_rebased_exactly():
         assert torch.allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("call", ["compress", "generate", "forward"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(over=st.integers(1, 200), history=st.integers(0, 500))
+def test_an_input_past_the_model_s_positions_is_refused_naming_the_fix_for_its_call(call, over, history):
+    """Any history re-bases, but one input past the model's 512 positions cannot run: a prompt or a context was told to
+    "pass shorter pieces", which generate() and compress() have no way to take (and a context was counted with its
+    <COMP> tokens, more tokens than were passed). The refusal names each call's way, which then runs."""
+    model = tiny_ccm("llama")
+    n = model.config.num_comp_tokens
+    cache = model.new_cache()
+    if history:
+        model.compress(cache, (torch.arange(history) % 90 + 3)[None])
+    before = snapshot(cache)
+    ids = torch.full((1, 512 + over - (n if call == "compress" else 0)), 7)
+    if call == "compress":
+        message = rf"A context of {ids.shape[1]} tokens and its {n} <COMP> tokens pass the model's 512 positions; "
+        message += rf"compress it as several contexts of at most {512 - n} tokens each\."
+        with pytest.raises(ValueError, match=message):
+            model.compress(cache, ids)
+        assert_same(before, snapshot(cache))
+        for piece in ids.split(512 - n, dim=1):
+            model.compress(cache, piece)
+    elif call == "generate":
+        message = rf"A prompt of {ids.shape[1]} tokens passes the model's 512 positions; shorten it, or compress its "
+        message += r"beginning first \(model\.compress\(cache, beginning_ids\)\) and generate from the rest\."
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, past_key_values=cache, max_new_tokens=2)
+        assert_same(before, snapshot(cache))
+        for piece in ids[:, :-8].split(512 - n, dim=1):
+            model.compress(cache, piece)
+        model.generate(ids[:, -8:], past_key_values=cache, max_new_tokens=2)
+    else:
+        message = rf"An input of {ids.shape[1]} tokens passes the model's 512 positions; pass it in pieces of at most "
+        message += r"512 tokens \(each model\(\.\.\.\) call continues the turn\)\."
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=message):
+                model(input_ids=ids, past_key_values=cache)
+            assert_same(before, snapshot(cache))
+            for piece in ids.split(512, dim=1):
+                model(input_ids=piece, past_key_values=cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("update", ["merge", "ema"])
 def test_a_rebased_half_precision_average_stays_the_memory_it_is_cast_to(update, dtype):
@@ -1765,7 +1807,8 @@ def test_an_input_that_fits_the_positions_is_rebased_after_any_history(history, 
     counts = length + 2 if compress else length
     if counts > 64:
         before = snapshot(caches[0])
-        with pytest.raises(ValueError, match=rf"An input of {counts} tokens .* passes the model's 64 positions; pass "):
+        passes = rf"A context of {length} tokens and its 2 <COMP> tokens pass" if compress else f"An input of {length} "
+        with pytest.raises(ValueError, match=rf"{passes}.* the model's 64 positions; (compress|pass) "):
             short.compress(caches[0], ids) if compress else short(input_ids=ids, past_key_values=caches[0])
         assert_same(snapshot(caches[0]), before)
         return

@@ -938,10 +938,7 @@ class CompressedMemoryCache(Cache):
         if not bool((end > self.max_positions).any()):
             return
         if int(counts.max()) > self.max_positions:
-            raise ValueError(
-                f"An input of {int(counts.max())} tokens (a compression's with its <COMP> tokens) passes the model's "
-                f"{self.max_positions} positions; pass shorter pieces."
-            )
+            raise ValueError(self._too_long(int(counts.max())))
         rotation = self.spec.rebase_rotation
         if rotation is None:
             raise ValueError(
@@ -959,6 +956,25 @@ class CompressedMemoryCache(Cache):
                 layer.rebase(rotation, index, -delta)
         self.rows = replace(self.rows, next_position=self.rows.next_position - delta, rebased=self.rows.rebased + delta)
         logger.info("Re-based the positions of %d row(s) by up to %d.", int((delta > 0).sum()), int(delta.max()))
+
+    def _too_long(self, count: int) -> str:
+        """Why an input of `count` new tokens cannot run after any history, and how the running call (`running`) can
+        take it instead: each piece of a turn runs after the history, re-based, but a prompt or a context is one."""
+        most, n = self.max_positions, self.config.num_comp_tokens
+        if self._call == "compress()":
+            return (
+                f"A context of {count - n} tokens and its {n} <COMP> tokens pass the model's {most} positions; "
+                f"compress it as several contexts of at most {most - n} tokens each."
+            )
+        if self._call == "generate()":
+            return (
+                f"A prompt of {count} tokens passes the model's {most} positions; shorten it, or compress its "
+                "beginning first (model.compress(cache, beginning_ids)) and generate from the rest."
+            )
+        return (
+            f"An input of {count} tokens passes the model's {most} positions; pass it in pieces of at most {most} "
+            "tokens (each model(...) call continues the turn)."
+        )
 
     def begin_generation(self) -> None:
         """Start a `generate()` call: a stream counts its tokens from zero again; memory must be folded first."""
