@@ -12,8 +12,10 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from test_files import file_size_limit
 from tiny_models import tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM
+from transformers_ccm import cache as cache_module
 from transformers_ccm.cli import main
 
 
@@ -445,15 +447,17 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
     main([*arguments, "--max-new-tokens", "2"])
     before = memory.read_bytes()
 
-    def full_disk(tensors, path, metadata=None):
-        open(path, "wb").close()
-        raise OSError(28, "No space left on device")
+    save_file = cache_module.save_file
 
-    monkeypatch.setattr("transformers_ccm.cache.save_file", full_disk)
+    def onto_a_full_disk(*args, **kwargs):  # the real writer, on a disk with no room left (`ulimit -f 0`)
+        with file_size_limit(0):
+            return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "save_file", onto_a_full_disk)
     monkeypatch.setattr("sys.stdin", io.StringIO("Still there?\nAnd now?\n"))
     main([*arguments, "--max-new-tokens", "2"])
     captured = capsys.readouterr()
-    assert captured.out.count("assistant:") == 3 and "No space left on device" in captured.err
+    assert captured.out.count("assistant:") == 3 and "File too large" in captured.err
     assert memory.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["user.safetensors"]
 
 

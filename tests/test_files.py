@@ -4,9 +4,11 @@ load the same folder at once."""
 
 import asyncio
 import builtins
+import errno
 import importlib
 import itertools
 import os
+import resource
 import shutil
 import threading
 from contextlib import contextmanager, nullcontext
@@ -519,6 +521,47 @@ def test_a_memory_save_that_fails_at_any_file_operation_keeps_the_earlier_file(t
     else:
         assert CompressedMemoryCache.load(path, new).memory_length == longer.memory_length
     assert [entry.name for entry in folder.iterdir()] == ["user.safetensors"]
+
+
+@contextmanager
+def file_size_limit(limit):
+    """Within the context, this process can write no file past `limit` bytes (a full disk as `ulimit -f` makes one):
+    a write past it fails with EFBIG (Python ignores the SIGXFSZ that would kill the process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fraction=st.floats(0, 0.99), kind=st.sampled_from(["memory", "adapter"]))
+def test_a_save_onto_a_full_disk_raises_an_os_error_and_keeps_the_earlier_files(
+    tmp_path_factory, adapters, fraction, kind
+):
+    """safetensors refuses a write past the disk's end with its own SafetensorError, which callers that take a failed
+    write (`ccm chat` keeps the memory for the next turn) let through: the save raises the OSError of the disk."""
+    from transformers_ccm import CompressedMemoryCache
+
+    old, new, _ = adapters
+    folder = tmp_path_factory.mktemp(kind)
+    if kind == "memory":
+        path = folder / "user.safetensors"
+        earlier, longer = _memory(new, [5, 6]), _memory(new, [5, 6, 7, 8])
+        earlier.save(path)
+        save, size = (lambda: longer.save(path)), path.stat().st_size
+    else:
+        path = folder / "adapter_model.safetensors"
+        old.save_pretrained(folder)
+        save, size = (lambda: new.save_pretrained(folder)), path.stat().st_size
+    before = _contents(folder)
+    with pytest.raises(OSError) as error, file_size_limit(int(fraction * size)):
+        save()
+    assert error.value.errno == errno.EFBIG
+    assert _contents(folder) == before and not list(folder.glob(f"{STAGING_PREFIX}*"))
+    if kind == "memory":
+        assert CompressedMemoryCache.load(path, new).memory_length == earlier.memory_length
 
 
 def _report_writes(folder, label):

@@ -43,7 +43,7 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.files import checked_path, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
-from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header
+from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header, write_errors_as_os_errors
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 from transformers_ccm.validation import is_index, is_int, positive_int
 
@@ -1528,7 +1528,12 @@ class CompressedMemoryCache(Cache):
         # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
         metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-        replace_file(path, lambda temporary: save_file(tensors, temporary, metadata))
+
+        def write(temporary: str) -> None:
+            with write_errors_as_os_errors():
+                save_file(tensors, temporary, metadata)
+
+        replace_file(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: CacheSpec | Any) -> CompressedMemoryCache:

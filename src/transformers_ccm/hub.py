@@ -34,7 +34,7 @@ from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
 from transformers_ccm.files import checked_path, folder_lock, made_folder, replace_files
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
-from transformers_ccm.safetensors_header import safetensors_header
+from transformers_ccm.safetensors_header import safetensors_header, write_errors_as_os_errors
 from transformers_ccm.validation import is_int
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -112,11 +112,17 @@ def save_adapter(
             {
                 folder / CONFIG_NAME: config._write_json,
                 folder / ADAPTER_CONFIG_NAME: lambda path: lora_config.save_pretrained(os.path.dirname(path)),
-                folder / ADAPTER_WEIGHTS_NAME: lambda path: save_file(prefixed, path, metadata={"format": "pt"}),
+                folder / ADAPTER_WEIGHTS_NAME: lambda path: _save_weights(prefixed, path),
                 folder / MODEL_CARD_NAME: card.save,
                 folder / MANIFEST_NAME: _write_manifest,
             }
         )
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Write an adapter's weights file (a full disk raises an OSError)."""
+    with write_errors_as_os_errors():
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,18 +1,36 @@
 """Reading a safetensors file's header alone: its tensors' names, dtypes, shapes and byte ranges are checked before
-any of its data is read."""
+any of its data is read. And the failures of writing one, as the OSError they are."""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import _TYPES as SAFETENSORS_DTYPES  # its names of torch's dtypes
 
 from transformers_ccm.json_reading import parse_json_object
 
 # safetensors' own bound on a header's length: a longer one is no file it wrote, and reading it would take that memory.
 _MOST_HEADER_BYTES = 100_000_000
+
+
+@contextmanager
+def write_errors_as_os_errors() -> Iterator[None]:
+    """Within the context, a safetensors write that the file system refuses (a full disk, a file size limit) raises
+    the OSError of its errno: safetensors raised its own SafetensorError, which no caller took for a failed write (a
+    full disk ended `ccm chat` with a traceback instead of keeping the memory for the next turn)."""
+    try:
+        yield
+    except SafetensorError as error:
+        found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(error))
+        if found is None:  # not the file system's refusal (a tensor it cannot write, say)
+            raise
+        raise OSError(int(found[2]), found[1]) from error
 
 
 class DeclaredTensor(NamedTuple):
