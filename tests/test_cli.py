@@ -1152,3 +1152,35 @@ def test_a_character_the_output_cannot_encode_is_written_escaped(tiny_model, ada
     out = shown.buffer.getvalue().decode("ascii")
     assert "I'm Zo\\xe9" in out or "suis Zo\\xe9." in out
     assert out.count("assistant:") == 2 and "[memory: 4 slots" in out
+
+
+@pytest.mark.parametrize("command", ["demo", "eval"])
+def test_output_into_a_closed_pipe_ends_quietly_with_status_1(
+    tiny_model, adapter, tmp_path, monkeypatch, capsys, command
+):
+    """`ccm demo | head -2`: the reader gone, the next line written ended the command with a BrokenPipeError traceback
+    (and Python's "Exception ignored" at exit). It ends quietly with status 1, as Python documents for SIGPIPE, and
+    `ccm eval` leaves its earlier report as it was."""
+    report = tmp_path / "report"
+    arguments = ["--model", tiny_model, "--max-new-tokens", "2"] if command == "demo" else ["--model", tiny_model]
+    if command == "eval":
+        arguments = [*arguments, "--adapters", adapter, "--tasks", "icl", "--steps", "1", "--samples", "2"]
+        main(["eval", *arguments, "--output-dir", str(report)])
+        arguments += ["--output-dir", str(report), "--seed", "1"]
+    else:
+        arguments += ["--adapter", adapter]
+    before = _contents(report) if command == "eval" else None
+    read, write = os.pipe()
+    os.close(read)  # as `head` does once it has its lines
+    closed = io.TextIOWrapper(io.FileIO(write, "w"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdout", closed)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *arguments])
+    assert exit_info.value.code == 1 and "Traceback" not in capsys.readouterr().err
+    closed.write("what is left at exit\n")
+    closed.flush()  # as Python does at exit: it no longer fails
+    assert (_contents(report) if command == "eval" else None) == before
+
+
+def _contents(folder):
+    return {path.name: path.read_bytes() for path in Path(folder).iterdir()}

@@ -1143,6 +1143,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
+        if sys.stdout is not None:  # the last lines now, not at exit: a reader gone by then is caught below
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of the output left (`ccm demo | head -2`): stop without a traceback, as Python documents it for
+        # SIGPIPE, with what is left of the output sent where flushing it at exit cannot fail again ("Exception
+        # ignored ... BrokenPipeError").
+        if sys.stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"ccm {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
