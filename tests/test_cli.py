@@ -240,6 +240,15 @@ def test_chat_and_demo_refuse_counts_below_one_before_the_model_loads(
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_chat_with_its_input_closed_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """`ccm chat <&-` (Python's sys.stdin is None then) failed once the model had loaded, on "'NoneType' object is
+    not iterable"."""
+    monkeypatch.setattr("sys.stdin", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chat", "--model", str(tmp_path / "no-model"), "--adapter", str(tmp_path / "no-adapter")])
+    assert exit_info.value.code == 2 and "the standard input is closed" in capsys.readouterr().err
+
+
 def test_demo_shows_the_full_context_baseline(tiny_model, adapter, capsys):
     main(
         ["demo", "--model", tiny_model, "--adapter", adapter, "--turns", "2", "--max-new-tokens", "4", "--full-context"]

@@ -785,6 +785,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     _check_device(args.device)
     _check_counts(args, ["max_new_tokens"])
+    if sys.stdin is None:  # started with its input closed (`<&-`): the loop failed on "'NoneType' is not iterable"
+        raise ValueError(
+            "the standard input is closed, and the messages are read from it; give them on a terminal, a pipe or a "
+            "file (ccm chat < messages.txt)."
+        )
     if args.memory_file:
         _check_writable(args.memory_file)
     adapter = args.adapter or f"ccm:smollm2-{args.update}"
