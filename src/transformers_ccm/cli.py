@@ -20,6 +20,8 @@ from transformers_ccm.files import made_folder, replace_files
 from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     from transformers_ccm.cache import CompressedMemoryCache
@@ -633,14 +635,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     summary = summarize(results)
     report, table = report_json(results, summary), markdown(results, summary)
     # The files replaced together: --output-dir may be the --add-to folder, whose report must survive a failure.
-    with made_folder(output, "choose another --output-dir."):
-        replace_files(
-            {
-                output / "eval.json": lambda path: Path(path).write_text(report),
-                output / "eval.png": lambda path: plot(results, path),
-                output / "eval.md": lambda path: Path(path).write_text(table),
-            }
-        )
+    _write_report(
+        output,
+        {
+            "eval.json": lambda path: Path(path).write_text(report),
+            "eval.png": lambda path: plot(results, path),
+            "eval.md": lambda path: Path(path).write_text(table),
+        },
+    )
     print("\nat the largest time step (95% intervals):")
     for row in summary:
         tuned = row["gain_recovered_finetuned"]
@@ -744,14 +746,24 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         "streaming": asdict(ccm.for_adapter(model.config)),  # its memory cap as it streamed
         "methods": {result.method: result.to_dict(args.bucket) for result in results},
     }
-    with made_folder(output, "choose another --output-dir."):
-        replace_files(
-            {
-                output / "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
-                output / "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
-            }
-        )
+    _write_report(
+        output,
+        {
+            "stream_eval.json": lambda path: Path(path).write_text(json.dumps(report, indent=1) + "\n"),
+            "stream_eval.png": lambda path: plot_stream(results, args.bucket, path),
+        },
+    )
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
+
+
+def _write_report(folder: Path, writes: dict[str, Callable[[str], object]]) -> None:
+    """Replace the report files named by `writes` in `folder` (see `replace_files`): all of them, or none where a write
+    fails, which raises an OSError that names the folder (a full disk failed deep in the plot's writer, naming none)."""
+    try:
+        with made_folder(folder, "choose another --output-dir."):
+            replace_files({folder / name: write for name, write in writes.items()})
+    except OSError as error:
+        raise OSError(f"could not write the report into {folder} ({error})") from error
 
 
 def _write_any_character() -> None:
@@ -1160,6 +1172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"ccm {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as error:  # the system refused the work (a full disk, a folder made read-only meanwhile)
+        print(f"ccm {args.command}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: the status a shell expects of an interrupted command, not a traceback
         print(f"ccm {args.command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
