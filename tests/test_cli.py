@@ -6,7 +6,7 @@ import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest.mock import patch
 
@@ -71,6 +71,28 @@ def test_train_resumes(tiny_model, adapter, capsys):
     out = capsys.readouterr().out
     assert "adapter saved" in out
     assert (Path(adapter) / "checkpoint-4").is_dir()
+
+
+def test_a_full_disk_while_train_saves_a_checkpoint_is_named_and_resume_goes_on(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """torch.save's writer reports a full disk as a RuntimeError naming neither file nor cause ("unexpected pos 20288
+    vs 20180"), which ended `ccm train` with a traceback: the checkpoint is named, and --resume goes on from the last
+    one saved whole once there is room."""
+    from transformers import Trainer
+
+    save, calls = Trainer._save_optimizer_and_scheduler, itertools.count()
+
+    def second_onto_a_full_disk(self, output_dir):  # the real writer; the disk is full at the second checkpoint
+        with file_size_limit(0) if next(calls) == 1 else nullcontext():
+            save(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", second_onto_a_full_disk)
+    with refused_by_the_system(capsys, f"could not write the checkpoint {tmp_path / 'run' / 'checkpoint-2'} ("):
+        train(tiny_model, tmp_path / "run", 3, "--eval-every", "1")
+    monkeypatch.undo()
+    train(tiny_model, tmp_path / "run", 3, "--eval-every", "1", "--resume")
+    assert "adapter saved to" in capsys.readouterr().out
 
 
 def test_train_stops_at_a_step_of_its_schedule_and_resumes_the_rest(tiny_model, tmp_path, capsys):

@@ -13,6 +13,7 @@ import pickle
 import platform
 import random
 import re
+import traceback
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -138,6 +139,21 @@ class CCMTrainer(Trainer):
             self.args.train_batch_size * self.args.gradient_accumulation_steps,
             seed=self.args.data_seed or self.args.seed,
         )
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        try:
+            super()._save_checkpoint(model, trial)
+        except RuntimeError as error:
+            # torch.save's writer (the optimizer's state, the schedule's, the random generators') reports a write the
+            # file system refused (a full disk, a file size limit) as a RuntimeError that names neither the file nor
+            # the cause ("unexpected pos 20288 vs 20180"), which ended `ccm train` with a traceback.
+            if traceback.extract_tb(error.__traceback__)[-1].filename != torch.serialization.__file__:
+                raise
+            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            raise OSError(
+                f"could not write the checkpoint {folder} ({error}): is the disk full? Make room, then resume (ccm "
+                "train --resume, resume=True) from the last checkpoint saved whole."
+            ) from error
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
