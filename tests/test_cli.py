@@ -1116,17 +1116,25 @@ def test_eval_without_matplotlib_fails_before_the_model_loads(tmp_path, monkeypa
     assert not (tmp_path / "out").exists()
 
 
-def test_chat_goes_on_after_a_line_that_is_not_utf8(tiny_model, adapter, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("encoding", "typed", "byte"),
+    [("utf-8", "café".encode("latin-1"), "0xe9"), ("ascii", "café".encode(), "0xc3")],  # PYTHONIOENCODING=ascii
+)
+def test_chat_goes_on_after_a_line_not_in_the_inputs_encoding(
+    tiny_model, adapter, tmp_path, monkeypatch, capsys, encoding, typed, byte
+):
     """Bytes that are not UTF-8 on the input ended the whole chat with "ccm chat: error: 'utf-8' codec can't
-    decode byte 0xff" (before the lines around them were answered); that line is refused, and the others answered."""
+    decode byte 0xff" (before the lines around them were answered); that line is refused, and the others answered.
+    The refusal names the input's encoding: under PYTHONIOENCODING=ascii, it told to type UTF-8 text again, which is
+    what the terminal had sent."""
     memory = tmp_path / "user.safetensors"
     arguments = ["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory)]
-    typed = io.TextIOWrapper(io.BytesIO(b"Hi, I am Ann.\ncaf\xe9 au lait\nWhat is my name?\n"), encoding="utf-8")
-    monkeypatch.setattr("sys.stdin", typed)
+    lines = b"Hi, I am Ann.\n" + typed + b" au lait\nWhat is my name?\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(lines), encoding=encoding))
     main([*arguments, "--max-new-tokens", "2"])
     captured = capsys.readouterr()
     assert captured.out.count("assistant:") == 2 and "[memory: 4 slots" in captured.out
-    assert "that message was not answered (The message is not valid Unicode text (U+DCE9 at character 3" in captured.err
+    assert f"that message was not answered (byte {byte} at character 3 is not {encoding} text" in captured.err
 
 
 def test_ctrl_c_during_a_reply_undoes_the_turn_and_the_chat_goes_on(tiny_model, adapter, tmp_path, monkeypatch, capsys):

@@ -814,14 +814,28 @@ def cmd_chat(args: argparse.Namespace) -> None:
     session = ChatSession(model, tokenizer, cache, max_new_tokens=args.max_new_tokens)
     _write_any_character()
     print("Type a message (an empty line or Ctrl-D ends).", flush=True)
+    encoding = None
     if isinstance(sys.stdin, io.TextIOWrapper):
-        # Bytes that are not UTF-8 become lone surrogates, which the session refuses for that message alone; a strict
+        # Bytes not of the input's encoding become lone surrogates, refused below for that message alone; a strict
         # decoder raised from the loop itself and ended the chat.
         sys.stdin.reconfigure(errors="surrogateescape")
+        encoding = sys.stdin.encoding
     for line in sys.stdin:
         message = line.strip()
         if not message or message in ("exit", "quit"):
             break
+        # Named here with the input's encoding: the session's refusal told to type UTF-8 text again, which is what a
+        # terminal under PYTHONIOENCODING=ascii had sent.
+        escaped = re.search("[\udc80-\udcff]", message) if encoding else None
+        if escaped:
+            print(
+                f"ccm chat: that message was not answered (byte 0x{ord(escaped[0]) - 0xDC00:02x} at character "
+                f"{escaped.start()} is not {encoding} text, the input's encoding as the locale or PYTHONIOENCODING "
+                f"sets it; type it again in {encoding}, or set PYTHONIOENCODING to the terminal's encoding); the "
+                "memory is as it was.",
+                file=sys.stderr,
+            )
+            continue
         try:
             report = session.turn(message)
         except ValueError as error:  # a message the model cannot take: a failed turn leaves the memory as it was
