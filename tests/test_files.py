@@ -11,7 +11,7 @@ import os
 import resource
 import shutil
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from unittest.mock import patch
 
@@ -562,6 +562,38 @@ def test_a_save_onto_a_full_disk_raises_an_os_error_and_keeps_the_earlier_files(
     assert _contents(folder) == before and not list(folder.glob(f"{STAGING_PREFIX}*"))
     if kind == "memory":
         assert CompressedMemoryCache.load(path, new).memory_length == earlier.memory_length
+
+
+# Not os.close: shutil.rmtree itself closes a folder twice when interrupted right after closing it.
+_MEMORY_SAVE_CALLS = ["mkdir", "open", "fsync", "replace", "unlink", "rmdir"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(call=st.sampled_from(_MEMORY_SAVE_CALLS), k=st.integers(0, 8))
+def test_ctrl_c_right_after_any_file_operation_of_a_memory_save_leaves_the_old_file_or_the_new_one_alone(
+    tmp_path_factory, adapters, call, k
+):
+    """Ctrl-C arrives when a system call returns: one during the removal of the staging folder (`ccm chat` spends
+    most of a save flushing to disk, so an interrupt often lands there) left that folder behind, beside the memory."""
+    from transformers_ccm import CompressedMemoryCache
+
+    _, new, _ = adapters
+    folder = tmp_path_factory.mktemp("memory")
+    path = folder / "user.safetensors"
+    earlier, longer = _memory(new, [5, 6]), _memory(new, [5, 6, 7, 8])
+    earlier.save(path)
+    original, calls = getattr(os, call), itertools.count()
+
+    def then_interrupted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if next(calls) == k:
+            raise KeyboardInterrupt
+        return result
+
+    with patch.object(os, call, then_interrupted), suppress(KeyboardInterrupt):
+        longer.save(path)
+    assert [entry.name for entry in folder.iterdir()] == ["user.safetensors"]
+    assert CompressedMemoryCache.load(path, new).memory_length in (earlier.memory_length, longer.memory_length)
 
 
 def _report_writes(folder, label):

@@ -165,10 +165,27 @@ def _staging(folder: Path, names: list[str]) -> Iterator[Path]:
         kept = True
         raise
     finally:
-        if not kept:
+        try:
+            if not kept:
+                _remove_to_the_end(staging)
+        finally:
+            if descriptor is not None:
+                os.close(descriptor)
+
+
+def _remove_to_the_end(staging: Path) -> None:
+    """Remove the staging folder `staging` whole, also where an interrupt arrives meanwhile (Ctrl-C, or a signal
+    handler's exit), which is raised once it is gone: one that landed in the removal (a save spends most of its time
+    flushing to disk, so an interrupt often lands near it) left the folder behind, beside the files saved."""
+    interrupt = None
+    while True:
+        try:
             shutil.rmtree(staging, ignore_errors=True)
-        if descriptor is not None:
-            os.close(descriptor)
+            break
+        except (KeyboardInterrupt, SystemExit) as error:
+            interrupt = error
+    if interrupt is not None:
+        raise interrupt
 
 
 def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:
@@ -182,6 +199,9 @@ def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:
         staging = folder / f"{STAGING_PREFIX}{owner}-{index}"
         try:
             os.mkdir(staging, 0o700)
+            descriptor = _open_folder(staging)
+            if descriptor is not None:
+                _flock(descriptor, fcntl.LOCK_EX)
         except FileExistsError:
             if not _remove_if_stale(staging):  # a live writer's, or one that could not be removed
                 index += 1
@@ -190,9 +210,12 @@ def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:
             raise type(error)(
                 error.errno, f"Cannot write into {folder} ({error.strerror}); choose a writable folder."
             ) from None
-        descriptor = _open_folder(staging)
-        if descriptor is not None:
-            _flock(descriptor, fcntl.LOCK_EX)
+        except (KeyboardInterrupt, SystemExit):
+            # Made but not yet held: the clean-up of `_staging` does not cover it, and only a later save of the same
+            # files would remove it.
+            with suppress(OSError):  # not made, or another save's by now (no longer empty)
+                os.rmdir(staging)
+            raise
         if _is_opened(staging, descriptor):
             return staging, descriptor
         # Another save of these files took it, not locked yet, for a killed writer's and removed it: make another.
