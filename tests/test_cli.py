@@ -73,23 +73,29 @@ def test_train_resumes(tiny_model, adapter, capsys):
     assert (Path(adapter) / "checkpoint-4").is_dir()
 
 
+@pytest.mark.parametrize("writing", ["optimizer", "trainer state"])
 def test_a_full_disk_while_train_saves_a_checkpoint_is_named_and_resume_goes_on(
-    tiny_model, tmp_path, monkeypatch, capsys
+    tiny_model, tmp_path, monkeypatch, capsys, writing
 ):
     """torch.save's writer reports a full disk as a RuntimeError naming neither file nor cause ("unexpected pos 20288
     vs 20180"), which ended `ccm train` with a traceback: the checkpoint is named, and --resume goes on from the last
-    one saved whole once there is room."""
-    from transformers import Trainer
+    one saved whole once there is room. A trainer_state.json cut by the full disk (it marks a checkpoint whole) made
+    --resume refuse the run until the checkpoint was deleted."""
+    from transformers import Trainer, TrainerState
 
-    save, calls = Trainer._save_optimizer_and_scheduler, itertools.count()
+    holder, name = (
+        (Trainer, "_save_optimizer_and_scheduler") if writing == "optimizer" else (TrainerState, "save_to_json")
+    )
+    write, calls = getattr(holder, name), itertools.count()
 
-    def second_onto_a_full_disk(self, output_dir):  # the real writer; the disk is full at the second checkpoint
+    def second_onto_a_full_disk(*args):  # the real writer; the disk is full at the second checkpoint
         with file_size_limit(0) if next(calls) == 1 else nullcontext():
-            save(self, output_dir)
+            write(*args)
 
-    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", second_onto_a_full_disk)
+    monkeypatch.setattr(holder, name, second_onto_a_full_disk)
     with refused_by_the_system(capsys, f"could not write the checkpoint {tmp_path / 'run' / 'checkpoint-2'} ("):
         train(tiny_model, tmp_path / "run", 3, "--eval-every", "1")
+    assert not (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").exists()  # cut short: skipped on resume
     monkeypatch.undo()
     train(tiny_model, tmp_path / "run", 3, "--eval-every", "1", "--resume")
     assert "adapter saved to" in capsys.readouterr().out

@@ -141,19 +141,28 @@ class CCMTrainer(Trainer):
         )
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        try:
-            super()._save_checkpoint(model, trial)
-        except RuntimeError as error:
-            # torch.save's writer (the optimizer's state, the schedule's, the random generators') reports a write the
-            # file system refused (a full disk, a file size limit) as a RuntimeError that names neither the file nor
-            # the cause ("unexpected pos 20288 vs 20180"), which ended `ccm train` with a traceback.
-            if traceback.extract_tb(error.__traceback__)[-1].filename != torch.serialization.__file__:
-                raise
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            raise OSError(
-                f"could not write the checkpoint {folder} ({error}): is the disk full? Make room, then resume (ccm "
-                "train --resume, resume=True) from the last checkpoint saved whole."
-            ) from error
+        # trainer_state.json, written last, marks a checkpoint whole (`_resumed_checkpoint`): written in one rename, so
+        # that a kill or a full disk while writing it leaves none, not a cut one that refused every --resume until
+        # someone deleted the checkpoint.
+        with _attribute_kept(self.state, "save_to_json"):
+            self.state.save_to_json = partial(_save_state_whole, self.state)
+            try:
+                super()._save_checkpoint(model, trial)
+            except (RuntimeError, OSError) as error:
+                # torch.save's writer (the optimizer's state, the schedule's, the random generators') reports a write
+                # the file system refused (a full disk, a file size limit) as a RuntimeError that names neither the
+                # file nor the cause ("unexpected pos 20288 vs 20180"), which ended `ccm train` with a traceback.
+                written_by_torch = (
+                    traceback.extract_tb(error.__traceback__)[-1].filename == torch.serialization.__file__
+                )
+                if isinstance(error, RuntimeError) and not written_by_torch:
+                    raise
+                step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                raise OSError(
+                    f"could not write the checkpoint {os.path.join(self._get_output_dir(trial), step)} ({error}): is "
+                    "the disk full? Make room, then resume (ccm train --resume, resume=True) from the last checkpoint "
+                    "saved whole."
+                ) from error
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
@@ -465,6 +474,11 @@ def train(
         trainer.streaming, trainer.stream_piece = recipe.streaming, recipe.stream_piece
         _run(trainer, model, teacher, recipe.gradient_checkpointing, checkpoint, output_dir)
     return trainer
+
+
+def _save_state_whole(state: TrainerState, path: str) -> None:
+    """Write `state` as trainer_state.json at `path` in one rename."""
+    replace_file(path, partial(TrainerState.save_to_json, state))
 
 
 def _run(
