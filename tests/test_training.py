@@ -6,6 +6,7 @@ import random
 import re
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,6 +148,19 @@ def _memory_keys(model):
     return [layer.keys for layer in cache.layers]
 
 
+def _train(model: CCMForCausalLM, samples: list, output_dir: Path, recipe: TrainingRecipe, fails: bool) -> None:
+    """`train()` on `samples`, or with its first step failing in a layer (`InjectedFailure`) where `fails`."""
+    if not fails:
+        train(model, None, samples, None, output_dir, recipe)
+        return
+    handle = fail_in_layer(model, 1, after_calls=0)
+    try:
+        with pytest.raises(InjectedFailure):
+            train(model, None, samples, None, output_dir, recipe)
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_train_gives_the_model_back_in_the_mode_it_had(tmp_path, fails):
     """The Trainer switches the model to training mode and left it there, after a run or a failed step: the LoRA's
@@ -155,16 +169,7 @@ def test_train_gives_the_model_back_in_the_mode_it_had(tmp_path, fails):
     before = _memory_keys(model)
     recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1, learning_rate=0.0)
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
-    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
-    try:
-        if fails:
-            with pytest.raises(InjectedFailure):
-                train(model, None, samples, None, tmp_path / "out", recipe)
-        else:
-            train(model, None, samples, None, tmp_path / "out", recipe)
-    finally:
-        if handle is not None:
-            handle.remove()
+    _train(model, samples, tmp_path / "out", recipe, fails)
     assert not model.training and not any(module.training for module in model.modules())
     for _ in range(2):  # no dropout: the same memory as before training (a learning rate of 0 keeps the weights)
         assert all(torch.equal(a, b) for a, b in zip(_memory_keys(model), before, strict=True))
@@ -186,16 +191,7 @@ def test_train_gives_every_module_back_its_own_mode(tmp_path_factory, training, 
     before = [module.training for module in modules]
     recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
-    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
-    try:
-        if fails:
-            with pytest.raises(InjectedFailure):
-                train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
-        else:
-            train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
-    finally:
-        if handle is not None:
-            handle.remove()
+    _train(model, samples, tmp_path_factory.mktemp("run") / "out", recipe, fails)
     assert [module.training for module in modules] == before
 
 
@@ -218,16 +214,7 @@ def test_gradient_checkpointing_is_for_the_run_only(tmp_path, fails, every_n_lay
     hooks = _hooks(model)
     recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1, gradient_checkpointing=True)
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
-    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
-    try:
-        if fails:
-            with pytest.raises(InjectedFailure):
-                train(model, None, samples, None, tmp_path / "out", recipe)
-        else:
-            train(model, None, samples, None, tmp_path / "out", recipe)
-    finally:
-        if handle is not None:
-            handle.remove()
+    _train(model, samples, tmp_path / "out", recipe, fails)
     assert [layer.gradient_checkpointing for layer in model.base_model.model.layers] == layers
     assert model.is_activation_checkpointing == (every_n_layers is not None) and _hooks(model) == hooks
 
@@ -248,16 +235,7 @@ def test_train_gives_the_caller_its_random_generators_back(tmp_path_factory, see
     np.random.seed(seed)
     torch.manual_seed(seed)
     before = _generator_states()
-    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
-    try:
-        if fails:
-            with pytest.raises(InjectedFailure):
-                train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
-        else:
-            train(model, None, samples, None, tmp_path_factory.mktemp("run") / "out", recipe)
-    finally:
-        if handle is not None:
-            handle.remove()
+    _train(model, samples, tmp_path_factory.mktemp("run") / "out", recipe, fails)
     python, numpy, cpu = _generator_states()
     assert python == before[0] and numpy == before[1] and torch.equal(cpu, before[2])
 
@@ -272,16 +250,7 @@ def test_train_leaves_the_model_config_as_it_was(tmp_path, own, fails):
         model.config.use_cache = own
     config = model.config
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
-    handle = fail_in_layer(model, 1, after_calls=0) if fails else None
-    try:
-        if fails:
-            with pytest.raises(InjectedFailure):
-                train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1))
-        else:
-            train(model, None, samples, None, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1))
-    finally:
-        if handle is not None:
-            handle.remove()
+    _train(model, samples, tmp_path / "out", TrainingRecipe(steps=1, batch_size=2, save_every=1), fails)
     assert model.config is config and getattr(model.config, "use_cache", "unset") == ("unset" if own is None else own)
 
 
