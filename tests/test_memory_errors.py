@@ -358,6 +358,24 @@ def test_streaming_headers_with_values_of_the_wrong_type_are_refused(tmp_path, c
         CompressedMemoryCache.load(path, model)
 
 
+def test_a_stream_file_holding_more_slots_than_its_adapter_cap_is_refused_for_what_it_is(tmp_path):
+    """Streams once held up to 8 slots under an adapter capped at fewer; such a file was refused as invalid, told to
+    "save the memory again", which writes the same memory again. The refusal says what the file holds."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    model = tiny_ccm("llama", max_memory_tokens=4)
+    cache = model.new_cache(streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4))
+    model(input_ids=torch.tensor([list(range(3, 40))]), past_key_values=cache)
+    path = tmp_path / "user.safetensors"
+    cache.save(path)
+    CompressedMemoryCache.load(path, model)  # its own cap: loads
+    _rewrite(path, metadata=_header_edit(lambda h: h["streaming"]["config"].update(max_memory_tokens=8)))
+    written = path.read_bytes()
+    with pytest.raises(ValueError, match=r"up to 8 slots, more than its adapter's CCMConfig\.max_memory_tokens \(4\)"):
+        CompressedMemoryCache.load(path, model)
+    assert path.read_bytes() == written
+
+
 def test_a_half_precision_stream_loads_back_with_its_float32_keys_and_continues_as_it_would_have(tmp_path):
     """A bfloat16 stream moves its keys in float32 (`float_keys`): the file holds them, so that the stream loaded goes
     on exactly as the one saved; a file without them (an earlier release's) loads from its keys, and one whose keys
