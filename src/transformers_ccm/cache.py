@@ -44,7 +44,7 @@ from transformers_ccm.files import checked_path, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header, write_errors_as_os_errors
-from transformers_ccm.streaming import KeyRotation, StreamingConfig
+from transformers_ccm.streaming import CapAboveAdapterError, KeyRotation, StreamingConfig
 from transformers_ccm.validation import is_index, is_int, positive_int
 
 logger = logging.getLogger(__name__)
@@ -1657,19 +1657,6 @@ class _MemoryFile:
         self._check_row_values()
         self._check_layer_values()
 
-    def _check_stream_cap(self, streaming: StreamingConfig) -> None:
-        """Raise where the file's stream held more concat memory slots than its adapter's own cap: streams could before
-        they took their adapter's cap, a memory the adapter was not made to read, which no save of it mends."""
-        adapter_cap = self.spec.config.max_memory_tokens
-        cap = streaming.max_memory_tokens
-        if streaming.compress is True and adapter_cap is not None and is_int(cap) and cap > adapter_cap:
-            raise ValueError(
-                f"{self.path} holds a stream whose memory held up to {cap} slots, more than its adapter's "
-                f"CCMConfig.max_memory_tokens ({adapter_cap}), as streams could before they took their adapter's cap; "
-                "such a memory is not one the adapter was made to read. Start the stream again (its file is left as "
-                "it is)."
-            )
-
     def _fail(self, problem: str) -> ValueError:
         return ValueError(f"{self.path} is not a valid memory file: {problem}. Save the memory again.")
 
@@ -1696,10 +1683,6 @@ class _MemoryFile:
         try:
             # Files written before StreamingConfig.keep_window_full streamed with the paper's schedule.
             streaming = StreamingConfig(**{"keep_window_full": False, **content["config"]})
-        except (KeyError, TypeError, ValueError) as error:
-            raise self._fail(f"its streaming header is wrong ({error!r})") from None
-        self._check_stream_cap(streaming)
-        try:
             rotary = None if self.spec.rotation is None else self.spec.rotation.max_positions
             streaming.validate(self.spec.config, self.spec.max_positions, rotary)
             streaming = streaming.for_adapter(self.spec.config)
@@ -1707,6 +1690,15 @@ class _MemoryFile:
             state["compressed_in_window"] = content["state"].get("compressed_in_window", 0)
             if "stream_lengths" in self.tensors:  # rows of different lengths: the longest row's
                 state["kv_length"] = content["state"]["kv_length"]
+        except CapAboveAdapterError as error:
+            # Streams could before they took their adapter's cap: a memory the adapter was not made to read, which no
+            # save of it mends.
+            raise ValueError(
+                f"{self.path} holds a stream whose memory held up to {error.cap} slots, more than its adapter's "
+                f"CCMConfig.max_memory_tokens ({error.adapter_cap}), as streams could before they took their adapter's "
+                "cap; such a memory is not one the adapter was made to read. Start the stream again (its file is left "
+                "as it is)."
+            ) from None
         except (KeyError, TypeError, ValueError) as error:
             raise self._fail(f"its streaming header is wrong ({error!r})") from None
         if not all(is_int(value) and value >= 0 for value in state.values()):

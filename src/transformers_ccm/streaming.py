@@ -23,6 +23,22 @@ from transformers_ccm.validation import is_int
 _DEFAULT_MEMORY_TOKENS = 8
 
 
+class CapAboveAdapterError(ValueError):
+    """A stream's concat memory cap `cap` above its adapter's own `adapter_cap`: its memory would hold more slots than
+    the adapter was made to read."""
+
+    def __init__(self, cap: int, adapter_cap: int) -> None:
+        self.cap, self.adapter_cap = cap, adapter_cap
+        super().__init__(
+            f"StreamingConfig.max_memory_tokens ({cap}) exceeds the adapter's CCMConfig.max_memory_tokens "
+            f"({adapter_cap}): the stream's memory would hold more slots than the adapter was made to read. Set "
+            f"StreamingConfig.max_memory_tokens to at most {adapter_cap}, or to None for the adapter's own cap."
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+        return type(self), (self.cap, self.adapter_cap)
+
+
 @dataclass(frozen=True)
 class StreamingConfig:
     """Sizes of a streaming cache. The KV held never exceeds `max_kv_length(ccm_config)`.
@@ -112,11 +128,7 @@ class StreamingConfig:
             )
         adapter_cap = ccm_config.max_memory_tokens
         if self.compress and adapter_cap is not None and slots > adapter_cap:  # concat: the only rule with a cap
-            raise ValueError(
-                f"StreamingConfig.max_memory_tokens ({slots}) exceeds the adapter's CCMConfig.max_memory_tokens "
-                f"({adapter_cap}): the stream's memory would hold more slots than the adapter was made to read. Set "
-                f"StreamingConfig.max_memory_tokens to at most {adapter_cap}, or to None for the adapter's own cap."
-            )
+            raise CapAboveAdapterError(slots, adapter_cap)
         # The <COMP> tokens of a compression sit right after their chunk, up to n - 1 positions past the cap.
         highest = self.max_kv_length(ccm_config) + (n if self.compress else 0)
         # The setting to lower is the largest of those that add up: a large cap was refused asking for a smaller window.
