@@ -191,11 +191,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         )
         # Digests of the adapter and base weights, each with the parameter versions it was computed at.
         self._digests: dict[str, tuple[tuple[tuple[int, int], ...], str]] = {}
-        # The weights by kind, the LoRA layers and every module, with the count of module registrations in the process
-        # when they were listed.
-        self._listed: tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module]] | None = (
-            None
-        )
+        # The weights by kind, the LoRA layers, every module and whether a weight was on the meta device, with the count
+        # of module registrations in the process when they were listed.
+        self._listed: (
+            tuple[int, dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module], bool] | None
+        ) = None
         self._mode_switch = 0  # `_ModelState.mode_switch`
         # The base config's `computing_settings`, with the config and a deep copy of its entries they were read from.
         self._settings: tuple[PretrainedConfig, dict[str, Any], dict[str, Any]] | None = None
@@ -404,8 +404,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         listed again at the next call, so that a call does not hold the model to weights replaced since, and fail as
         if another thread changed them."""
         hooked = any(hasattr(module, "_hf_hook") for module in (self, self.base_model))
-        weights = [] if hooked else [item for listed in self._weights().values() for item in listed]
-        if hooked or any(parameter.is_meta for _, parameter in weights):
+        weights: list[tuple[str, torch.Tensor]] = []
+        if hooked or self._listing()[3]:
             self._listed = None
             weights = list(self.named_parameters())
         _check_weights_in_place(self, self.base_model, weights)
@@ -1116,9 +1116,10 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             "base_config": state.base_config,
         }
 
-    def _listing(self) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module]]:
-        """The adapter's and the base model's parameters by name, sorted, the LoRA layers and every module. Walking
-        the modules costs milliseconds and this is asked at every call, so they are listed again only after a module
+    def _listing(self) -> tuple[dict[str, list[tuple[str, torch.Tensor]]], list[LoraLayer], list[nn.Module], bool]:
+        """The adapter's and the base model's parameters by name, sorted, the LoRA layers, every module and whether a
+        parameter is on the meta device (read once per listing: hundreds of them take 0.1 ms). Walking the modules
+        costs milliseconds and this is asked at every call, so they are listed again only after a module
         registered a parameter or a submodule (`load_state_dict(assign=True)`, a parameter or layer replaced): the
         digests of a stale list would miss the new tensors, and accept memories of the weights they replaced."""
         registrations = _Registrations.latest
@@ -1135,6 +1136,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 },
                 lora_layers(self.base_model),
                 list(self.modules()),
+                any(parameter.is_meta for _, parameter in named),
             )
         return self._listed[1:]
 
