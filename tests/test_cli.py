@@ -15,8 +15,7 @@ import torch
 
 from test_files import file_size_limit
 from tiny_models import tiny_ccm, tiny_full_context_baseline
-from transformers_ccm import CCMConfig, CCMForCausalLM
-from transformers_ccm import cache as cache_module
+from transformers_ccm import CCMConfig, CCMForCausalLM, memory_file
 from transformers_ccm import cli as cli_module
 from transformers_ccm.cli import main
 
@@ -494,13 +493,13 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
     main([*arguments, "--max-new-tokens", "2"])
     before = memory.read_bytes()
 
-    save_file = cache_module.save_file
+    save_file = memory_file.save_file
 
     def onto_a_full_disk(*args, **kwargs):  # the real writer, on a disk with no room left (`ulimit -f 0`)
         with file_size_limit(0):
             return save_file(*args, **kwargs)
 
-    monkeypatch.setattr(cache_module, "save_file", onto_a_full_disk)
+    monkeypatch.setattr(memory_file, "save_file", onto_a_full_disk)
     monkeypatch.setattr("sys.stdin", io.StringIO("Still there?\nAnd now?\n"))
     main([*arguments, "--max-new-tokens", "2"])
     captured = capsys.readouterr()

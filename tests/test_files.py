@@ -415,8 +415,7 @@ def test_a_memory_save_removes_what_killed_saves_of_the_file_left_but_not_a_live
 ):
     """A memory save killed part way left its `.ccm-saving-*` folder beside the file for ever: only adapter saves
     removed such folders, and memory saves never did."""
-    from transformers_ccm import CompressedMemoryCache
-    from transformers_ccm import cache as cache_module
+    from transformers_ccm import CompressedMemoryCache, memory_file
 
     _, new, _ = adapters
     folder = tmp_path_factory.mktemp("memories")
@@ -427,7 +426,7 @@ def test_a_memory_save_removes_what_killed_saves_of_the_file_left_but_not_a_live
         with _killed_at_rename(0):
             memories[1].save(target)
     assert len(_staging_folders(folder)) == 1  # each killed save removed the one before it
-    entered, release, threads, save_file = threading.Event(), threading.Event(), [], cache_module.save_file
+    entered, release, threads, save_file = threading.Event(), threading.Event(), [], memory_file.save_file
 
     def paused_in_another_thread(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
@@ -436,7 +435,7 @@ def test_a_memory_save_removes_what_killed_saves_of_the_file_left_but_not_a_live
         return save_file(*args, **kwargs)
 
     try:
-        with patch.object(cache_module, "save_file", paused_in_another_thread):
+        with patch.object(memory_file, "save_file", paused_in_another_thread):
             if live:  # a save of the same file, writing it as the next one starts
                 threads.append(threading.Thread(target=memories[3].save, args=(target,)))
                 threads[0].start()
@@ -497,7 +496,7 @@ def test_a_memory_saved_through_a_symbolic_link_replaces_the_file_it_leads_to(tm
     assert sorted(path.name for path in tmp_path.iterdir()) == ["link.safetensors", "real.safetensors"]
 
 
-_MEMORY_CALLS = {**_FILE_SYSTEM_CALLS, "save_file": ("transformers_ccm.cache", "save_file")}
+_MEMORY_CALLS = {**_FILE_SYSTEM_CALLS, "save_file": ("transformers_ccm.memory_file", "save_file")}
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -17,7 +17,7 @@ from fault_injection import ValuesRead
 from test_online import StopAfter
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
-from transformers_ccm.cache import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
+from transformers_ccm.memory_file import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
 
 
 def _filled(model, batch_size=2):
