@@ -37,7 +37,6 @@ from transformers_ccm.config import CCMConfig
 from transformers_ccm.files import checked_path
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.memory_file import (
-    MEMORY_FORMAT_VERSION,
     MOST_FOLDS,
     MOST_HISTORY_TOKENS,
     read_memory_file,
@@ -1495,7 +1494,7 @@ class CompressedMemoryCache(Cache):
         for index, layer in enumerate(self.layers):
             if layer.is_initialized:
                 tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer.held().items()})
-        header: dict[str, Any] = {"format_version": MEMORY_FORMAT_VERSION, "signature": self.signature}
+        header: dict[str, Any] = {"signature": self.signature}
         if self.streaming is not None:
             state = {
                 "sink_length": self.sink_length,

@@ -51,10 +51,10 @@ _UNRECORDED = {
 
 
 def write_memory_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
-    """Write `tensors` and `header` to `path` as a memory file, replacing it whole (a failed write keeps the earlier
-    file)."""
+    """Write `tensors` and `header` (the signature, a stream's config and lengths) to `path` as a memory file of the
+    current format version, replacing it whole (a failed write keeps the earlier file)."""
     # One metadata entry: safetensors writes several in no fixed order, and equal memories must be equal files.
-    metadata = {MEMORY_FORMAT: json.dumps(header, sort_keys=True)}
+    metadata = {MEMORY_FORMAT: json.dumps({"format_version": MEMORY_FORMAT_VERSION, **header}, sort_keys=True)}
     tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
 
     def write(temporary: str) -> None:
