@@ -1,6 +1,7 @@
 """ChatSession writes turns with the tokenizer's chat template and keeps user text as text."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -392,3 +393,81 @@ def test_the_history_count_survives_saving_and_loading_the_memory(tmp_path, toke
         assert uninterrupted.history_tokens == uninterrupted.counted
         assert report.full_context_bytes == reloaded.history_tokens * kv_bytes_per_token(model)
     assert int(uninterrupted.cache.next_position[0]) <= 48 < uninterrupted.history_tokens  # it was re-based
+
+
+# Real templates, written out (their system-prompt branches left out where they hold none by default).
+MISTRAL_TEMPLATE = (  # strict alternation; "[INST] " ends in a space that merges with the message's first word
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+LLAMA_3_TEMPLATE = (  # the BOS inside the first turn; each message trimmed
+    "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (  # no system role; the assistant is "model"; each message trimmed
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+PHI_3_TEMPLATE = (  # its role tokens strip the whitespace after them (rstrip); <|end|> here the spaces before (lstrip)
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+@functools.cache
+def _with_template(tokenizer, template: str):
+    """`tokenizer` with `template` and the special tokens it writes (Phi-3's strip whitespace next to them)."""
+    from tokenizers import AddedToken
+
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    tokens = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>"]
+    stripping = [AddedToken(f"<|{role}|>", rstrip=True, special=True) for role in ("user", "assistant")]
+    other.add_special_tokens(
+        {"additional_special_tokens": [*tokens, *stripping, AddedToken("<|end|>", lstrip=True, special=True)]}
+    )
+    return other
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    template=st.sampled_from([MISTRAL_TEMPLATE, LLAMA_3_TEMPLATE, GEMMA_TEMPLATE, PHI_3_TEMPLATE, QWEN3_TEMPLATE]),
+    message=st.text(st.sampled_from("ab Z.\n\t'é"), max_size=12).filter(str.strip),
+)
+def test_a_turn_is_the_ids_of_the_conversation_the_template_writes(tokenizer, chat_model, template, message):
+    """The prompt's pieces were encoded apart: where the template's text before a message ends in a space or a newline
+    (Mistral's "[INST] ", Llama 3's "\\n\\n"), the message's first word was read without it (a bare space token, then
+    "Hi", where the template's conversation holds " Hi"), and a template that trims messages (Llama 3, Gemma) saw them
+    untrimmed. A turn is now the ids the tokenizer gives the template's conversation that it ends, for any message."""
+    other = _with_template(tokenizer, template)
+    session = ChatSession(chat_model, other, max_new_tokens=2)
+    exchange = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    written = [
+        other.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        for messages in (exchange[:1], [*exchange, {"role": "user", "content": message}])
+    ]
+    for conversation, text in zip(written, ("Hi", message), strict=True):  # a first turn, and one after a reply
+        turn = session.prompt_ids(text)
+        assert conversation[len(conversation) - len(turn) :] == turn
+
+
+def test_a_message_the_template_writes_in_another_frame_is_taken_as_typed(tokenizer, chat_model):
+    """A template that writes the turn around some messages otherwise (here, a command) cannot say how it writes
+    the message itself: the turn holds the message as typed, in the frame of every other turn."""
+    commands = copy.deepcopy(tokenizer)
+    commands.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + ('command' if m['content'].startswith('/') else m['role']) }}"
+        "\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    session = ChatSession(chat_model, commands)
+    frame = session._ids("<|im_start|>user"), session._ids("<|im_end|>\n<|im_start|>assistant\n")
+    assert session.prompt_ids("/help ") == frame[0] + session._ids("\n/help ") + frame[1]
+    assert session.prompt_ids(" hi ") == session.prompt_ids("hi")

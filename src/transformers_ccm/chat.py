@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -39,6 +40,13 @@ def _plain_text_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedToken
         return plain
 
 
+def _render(tokenizer: PreTrainedTokenizerBase, roles: str, generation_prompt: bool) -> str:
+    """The conversation of one message per role in `roles` ("u": user, "a": assistant), each the sentinel, as
+    `tokenizer`'s chat template writes it."""
+    messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
 @dataclass(frozen=True)
 class TurnFormat:
     """How the tokenizer's chat template writes one exchange, without any system prompt it may add.
@@ -61,14 +69,9 @@ class TurnFormat:
                 "tokenizer (or set tokenizer.chat_template)."
             )
 
-        def render(roles: str, generation_prompt: bool) -> str:
-            """The conversation of one message per role in `roles` ("u": user, "a": assistant), each the sentinel."""
-            messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-        with_turn = render("uau", True)
+        with_turn = _render(tokenizer, "uau", True)
         pieces = with_turn.split(_SENTINEL)  # system prompt and before, after, end of reply and before, after
-        written = [render(roles, False) for roles in ("ua", "uau", "uaua")]
+        written = [_render(tokenizer, roles, False) for roles in ("ua", "uau", "uaua")]
         # Some templates end a conversation without a generation prompt with a special token no turn holds (Phi-3:
         # the end of text); it is left out of each.
         endings = [ending for ending in tokenizer.all_special_tokens if all(text.endswith(ending) for text in written)]
@@ -122,6 +125,13 @@ class _Conversation:
         if not end_of_reply:
             raise ValueError("The tokenizer's chat template ends a reply with no token; generation could not stop.")
         self._end_of_turn, self._after_reply = end_of_reply[0], end_of_reply[1:]
+        # The template's first turn around a message: how it writes one (Llama 3, Gemma: trimmed) is read from it.
+        first_turn = _render(tokenizer, "u", True).split(_SENTINEL)
+        self._first_turn = (first_turn[0], first_turn[-1])
+        # The special tokens a template's frame holds: read as such, where a message's strings of them are text.
+        self._specials = {token.content: token for token in tokenizer.added_tokens_decoder.values() if token.special}
+        longest_first = sorted(self._specials, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
 
     def _ids(self, text: str, plain: bool = False) -> list[int]:
         """Token ids of `text`; with `plain`, special-token strings in it are ordinary text."""
@@ -140,11 +150,42 @@ class _Conversation:
                 f"The message is not valid Unicode text (U+{ord(message[error.start]):04X} at character "
                 f"{error.start}, a lone surrogate: input that was not UTF-8); type it again as UTF-8 text."
             ) from None
-        return (
-            self._ids(self.format.before_message)
-            + self._ids(message, plain=True)
-            + self._ids(self.format.after_message)
+        before, after = self.format.before_message, self.format.after_message
+        text = before + self._as_written(message) + after
+        # Encoded as one text, as the template's conversation is (encoded apart, "[INST] " + "Hi" gave a bare space
+        # token before "Hi", where the model reads " Hi"), except that the frame's special tokens are read as such
+        # and the message's special-token strings as text: the text between the last special token before the
+        # message and the first one after it is encoded as plain text, including any frame text around the message.
+        start, end = self._plain_span(text, len(before), len(text) - len(after))
+        return self._ids(text[:start]) + self._ids(text[start:end], plain=True) + self._ids(text[end:])
+
+    def _as_written(self, message: str) -> str:
+        """`message` as the chat template writes it in a user turn (Llama 3 and Gemma trim it, Llama 2 strips it)."""
+        prefix, suffix = self._first_turn
+        written = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
         )
+        if written.startswith(prefix) and written.endswith(suffix) and len(written) >= len(prefix) + len(suffix):
+            return written[len(prefix) : len(written) - len(suffix)]
+        return message  # a template that writes the turn around this message otherwise: the message as typed
+
+    def _plain_span(self, text: str, message_start: int, message_end: int) -> tuple[int, int]:
+        """The span of `text` to encode as plain text: from the end of the last special token that starts before
+        `message_start` to the start of the first one at or after `message_end`, each widened over the whitespace
+        such a token strips on that side (Phi-3's `rstrip`), as the tokenizer reads the whole text."""
+        if self._special_pattern is None:
+            return 0, len(text)
+        start, end = 0, len(text)
+        for match in self._special_pattern.finditer(text, 0, message_start):
+            start = match.end()
+            if self._specials[match.group()].rstrip:
+                start = len(text) - len(text[start:].lstrip())
+        match = self._special_pattern.search(text, message_end)
+        if match is not None:
+            end = match.start()
+            if self._specials[match.group()].lstrip:
+                end = len(text[:end].rstrip())
+        return start, max(start, end)
 
     def _reply(
         self, input_ids: list[int], model: GenerationMixin, cache: Cache | None
