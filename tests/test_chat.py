@@ -471,3 +471,28 @@ def test_a_message_the_template_writes_in_another_frame_is_taken_as_typed(tokeni
     frame = session._ids("<|im_start|>user"), session._ids("<|im_end|>\n<|im_start|>assistant\n")
     assert session.prompt_ids("/help ") == frame[0] + session._ids("\n/help ") + frame[1]
     assert session.prompt_ids(" hi ") == session.prompt_ids("hi")
+
+
+def test_a_template_that_raises_is_refused_with_a_value_error(tokenizer, chat_model, tmp_path):
+    """A template's own refusal (`raise_exception`) came out as jinja's TemplateError: `ccm chat` ended with a
+    traceback, at its start for a template that needs a system message, or at a message the template refuses. The
+    session is refused, or the message, naming the template's reason; the memory is as it was."""
+    needs_system = copy.deepcopy(tokenizer)
+    needs_system.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('A system message is required') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    with pytest.raises(ValueError, match=r"chat template refused .* \(A system message is required\)"):
+        ChatSession(chat_model, needs_system)
+    refusing = copy.deepcopy(tokenizer)
+    refusing.chat_template = (
+        "{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('No forbidden words') }}"
+        "{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    session = ChatSession(chat_model, refusing, max_new_tokens=2)
+    session.turn("Hi! I'm Maria.")
+    session.cache.save(tmp_path / "before.safetensors")
+    with pytest.raises(ValueError, match=r"chat template refused .* \(No forbidden words\)"):
+        session.turn("a forbidden word")
+    session.cache.save(tmp_path / "after.safetensors")
+    assert (tmp_path / "after.safetensors").read_bytes() == (tmp_path / "before.safetensors").read_bytes()

@@ -40,11 +40,26 @@ def _plain_text_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedToken
         return plain
 
 
+def _apply_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    """`messages` as `tokenizer`'s chat template writes them. A template's own refusal (`raise_exception`: a template
+    that needs a system message, say) is a ValueError: jinja's TemplateError ended `ccm chat` with a traceback."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        roles = ", ".join(message["role"] for message in messages)
+        raise ValueError(
+            f"The tokenizer's chat template refused a conversation of the roles {roles} ({error}); chat needs a "
+            "template that writes user and assistant messages alone."
+        ) from None
+
+
 def _render(tokenizer: PreTrainedTokenizerBase, roles: str, generation_prompt: bool) -> str:
     """The conversation of one message per role in `roles` ("u": user, "a": assistant), each the sentinel, as
     `tokenizer`'s chat template writes it."""
     messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return _apply_template(tokenizer, messages, generation_prompt)
 
 
 @dataclass(frozen=True)
@@ -162,9 +177,7 @@ class _Conversation:
     def _as_written(self, message: str) -> str:
         """`message` as the chat template writes it in a user turn (Llama 3 and Gemma trim it, Llama 2 strips it)."""
         prefix, suffix = self._first_turn
-        written = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-        )
+        written = _apply_template(self.tokenizer, [{"role": "user", "content": message}], True)
         if written.startswith(prefix) and written.endswith(suffix) and len(written) >= len(prefix) + len(suffix):
             return written[len(prefix) : len(written) - len(suffix)]
         return message  # a template that writes the turn around this message otherwise: the message as typed
