@@ -1,5 +1,6 @@
 """Evaluation statistics (intervals, gain recovered, seen and unseen wordings) on real scoring of tiny models."""
 
+import copy
 import json
 import math
 import os
@@ -630,3 +631,21 @@ def test_a_sample_without_its_output_among_its_choices_is_refused_before_scoring
     ):
         with pytest.raises(ValueError, match=r"samples\[2\] has no output among its choices"):
             score_samples(ccm, tokenizer, [good, good, bad], method, "accuracy", batch_size=1)
+
+
+def test_a_pad_token_the_model_cannot_embed_scores_as_any_other(ccm, tokenizer):
+    """A pad token added to the tokenizer past the model's embeddings (Llama's `add_special_tokens({"pad_token":
+    "[PAD]"})` without resizing them) failed every batch: with torch's IndexError, or for `ccm` as context ids 'outside
+    the model's vocabulary' that no context held. Padding is masked: every method scores as with no pad token."""
+    added, none = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    added.add_special_tokens({"pad_token": "[PAD]"})
+    none.pad_token = None
+    assert added.pad_token_id == ccm.vocabulary_size and none.pad_token_id is None
+    samples = make_samples("dialogue", "test", 4, seed=2, steps=2)
+    assert len({len(tokenizer(s.input)["input_ids"]) for s in samples}) > 1  # rows that get padded
+    for method in ("no_context", "full_context", "ccm"):
+        scores = [
+            score_samples(ccm, padded, samples, method, "perplexity", batch_size=4).per_sample
+            for padded in (added, none)
+        ]
+        assert scores[0] == scores[1]

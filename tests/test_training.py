@@ -1,5 +1,6 @@
 """A few hundred optimisation steps on a tiny model learn to answer from compressed contexts."""
 
+import copy
 import itertools
 import json
 import random
@@ -27,6 +28,7 @@ from tiny_models import (
     randomize_adapter,
     tiny_base,
     tiny_full_context_baseline,
+    tiny_llama_for,
 )
 from transformers_ccm import (
     CCMConfig,
@@ -39,6 +41,7 @@ from transformers_ccm import (
 from transformers_ccm.baseline import full_context_config
 from transformers_ccm.data import predicting_positions
 from transformers_ccm.distillation import distillation_loss
+from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.stream_training import StreamCollator
 from transformers_ccm.training import CCMTrainer, SimilarLengthSampler, TrainingRecipe, check_resume, train
 
@@ -1053,3 +1056,22 @@ def test_a_batch_with_nothing_to_predict_has_a_loss_and_gradients_of_zero(at_lab
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             assert parameter.grad is None or not parameter.grad.any(), name
+
+
+def test_train_with_a_pad_token_the_model_cannot_embed(tmp_path):
+    """A tokenizer whose pad token was added past the model's embeddings (Llama's `add_special_tokens({"pad_token":
+    "[PAD]"})` without resizing them) made train() refuse its own 'pad_token_id' before the first step, a setting the
+    caller never gave. Padding is masked: it trains as with a tokenizer without a pad token."""
+    tokenizer = load_tokenizer("default")
+    base = tiny_llama_for(tokenizer)
+    added, none = copy.deepcopy(tokenizer), copy.deepcopy(tokenizer)
+    added.add_special_tokens({"pad_token": "[PAD]"})
+    none.pad_token = None
+    samples = [OnlineSample([f"My code is {n}.", "Fine."], "My code is", f" {n}") for n in (7, 12345, 9)]
+    recipe = TrainingRecipe(steps=1, batch_size=3, save_every=1)
+    adapters = []
+    for padded in (added, none):
+        model = randomize_adapter(CCMForCausalLM.from_base(copy.deepcopy(base), CCMConfig(lora_dropout=0.0)))
+        train(model, padded, samples, None, tmp_path / str(len(adapters)), recipe)
+        adapters.append(model.comp_embeddings.detach().clone())
+    assert torch.equal(*adapters)

@@ -80,6 +80,15 @@ def token_ids(
     return ids
 
 
+def padding_id(tokenizer: Any, vocabulary: int) -> int:
+    """The id written at padding positions for a model of `vocabulary` embeddings: `tokenizer`'s pad token where the
+    model can embed it, else 0 (also without a tokenizer or pad token). Padding is embedded, then masked, so any id the
+    model embeds gives the same outputs; a pad token added to the tokenizer past the model's embeddings (Llama's
+    `add_special_tokens({"pad_token": "[PAD]"})` without resizing them) failed inside the embedding."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if is_int(pad) and 0 <= pad < vocabulary else 0
+
+
 def check_sample(sample: Any, where: str) -> None:
     """Raise a TypeError naming `where` unless `sample` is an `OnlineSample` (a dict of its fields failed with an
     AttributeError)."""

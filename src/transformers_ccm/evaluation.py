@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.data import OnlineSample, check_position_limit, check_sample, sample_entries, token_ids
+from transformers_ccm.data import (
+    OnlineSample,
+    check_position_limit,
+    check_sample,
+    padding_id,
+    sample_entries,
+    token_ids,
+)
 from transformers_ccm.extras import figure
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.validation import positive_int
@@ -159,7 +166,6 @@ def score_samples(
         raise ValueError("score_samples got no samples.")
     if not positive_int(batch_size):  # below 0 no batch ran, and every sample scored 0 of 0: a value of NaN
         raise ValueError(f"batch_size must be a positive integer (samples scored at once), got {batch_size!r}.")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # Scored in batches of similar length (less padding), reported in the order given.
     per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
     context_tokens, peak, peak_bytes = 0, 0, 0
@@ -167,6 +173,7 @@ def score_samples(
     # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
     # compress and the online forward).
     vocabulary = model.vocabulary_size
+    pad = padding_id(tokenizer, vocabulary)
     for i, sample in enumerate(samples):
         check_sample(sample, f"samples[{i}]")
     histories = [

@@ -31,7 +31,14 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.data import CCMDataCollator, Layout, OnlineSample, Supervision, predicting_positions
+from transformers_ccm.data import (
+    CCMDataCollator,
+    Layout,
+    OnlineSample,
+    Supervision,
+    padding_id,
+    predicting_positions,
+)
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.files import replace_file
 from transformers_ccm.hub import VERIFIED_FILES, read_adapter
@@ -421,14 +428,13 @@ def train(
         seed=recipe.seed,
         dataloader_num_workers=0,
     )
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     collator = (
         StreamCollator(recipe.streaming, model.vocabulary_size)
         if recipe.streaming is not None
         else CCMDataCollator(
             model,
             tokenizer=tokenizer,
-            pad_token_id=pad,
+            pad_token_id=padding_id(tokenizer, model.vocabulary_size),
             supervision=recipe.supervision,
             layout=recipe.layout,
             pad_to_multiple_of=recipe.pad_to_multiple_of or (GPU_PAD_MULTIPLE if on_gpu else None),
