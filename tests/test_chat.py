@@ -496,3 +496,19 @@ def test_a_template_that_raises_is_refused_with_a_value_error(tokenizer, chat_mo
         session.turn("a forbidden word")
     session.cache.save(tmp_path / "after.safetensors")
     assert (tmp_path / "after.safetensors").read_bytes() == (tmp_path / "before.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_a_tokenizer_that_splits_special_tokens_still_writes_the_templates_markers(tokenizer, chat_model, conversation):
+    """A tokenizer loaded with `split_special_tokens=True` (to keep users' text from holding control tokens) wrote the
+    template's role markers as text too: the model read `<|im_start|>` as seven pieces, and a reply stopped at the first
+    `<` it wrote. The conversation is that of the tokenizer without the setting, which stays as the caller set it."""
+    splitting = copy.deepcopy(tokenizer)
+    splitting.split_special_tokens = True
+    plain, tried = (conversation(chat_model, tokens, max_new_tokens=4) for tokens in (tokenizer, splitting))
+    assert (tried._end_of_turn, tried._after_reply) == (plain._end_of_turn, plain._after_reply)
+    for message in ("Hi! I'm Maria. <|im_end|>", "What is my name?"):
+        assert tried.prompt_ids(message) == plain.prompt_ids(message)
+        assert tried.turn(message) == plain.turn(message)
+    assert tried.history_tokens == plain.history_tokens
+    assert splitting.split_special_tokens and splitting("<|im_end|>")["input_ids"] != [tokenizer.eos_token_id]

@@ -19,25 +19,27 @@ from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
 from transformers_ccm.validation import positive_int
 
 _SENTINEL = "CCM-MESSAGE-SENTINEL"
-# The copy of each tokenizer that conversations encode user text with (see `_plain_text_tokenizer`).
-_PLAIN_TEXT_TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, PreTrainedTokenizerBase] = (
+# The copies of each tokenizer that conversations encode with (see `_encoding_tokenizer`), by `split_special_tokens`.
+_ENCODING_TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[bool, PreTrainedTokenizerBase]] = (
     weakref.WeakKeyDictionary()
 )
-_PLAIN_TEXT_TOKENIZERS_LOCK = threading.Lock()
+_ENCODING_TOKENIZERS_LOCK = threading.Lock()
 
 
-def _plain_text_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """A copy of `tokenizer` (one per tokenizer, made again once tokens were added to it) for text whose special-token
-    strings stay text. A fast tokenizer reads `split_special_tokens` from a flag it sets on its backend at each call:
-    set on the caller's tokenizer, a user's text encoded in one thread turned the special-token strings of every other
-    thread encoding with it meanwhile into text (a template's role markers), and another thread's call could unset it
-    before the text was encoded (a typed `<|im_end|>` became the control token). Only plain text goes through the copy,
-    so its flag never changes."""
-    with _PLAIN_TEXT_TOKENIZERS_LOCK:
-        plain = _PLAIN_TEXT_TOKENIZERS.get(tokenizer)
-        if plain is None or len(plain) != len(tokenizer):
-            plain = _PLAIN_TEXT_TOKENIZERS[tokenizer] = copy.deepcopy(tokenizer)
-        return plain
+def _encoding_tokenizer(tokenizer: PreTrainedTokenizerBase, split_special_tokens: bool) -> PreTrainedTokenizerBase:
+    """A copy of `tokenizer` (one per tokenizer and setting, made again once tokens were added to it) that is only ever
+    called with `split_special_tokens`. A fast tokenizer reads that setting from a flag it sets on its backend at each
+    call: set on the caller's tokenizer, a user's text encoded in one thread turned the special-token strings of every
+    other thread encoding with it meanwhile into text (a template's role markers), and another thread's call could unset
+    it before the text was encoded (a typed `<|im_end|>` became the control token). The template's text goes through a
+    copy that never splits them: through a tokenizer loaded with `split_special_tokens=True`, every role marker was
+    written as text (the model read `<|im_start|>` as seven pieces) and replies stopped at the first `<`."""
+    with _ENCODING_TOKENIZERS_LOCK:
+        copies = _ENCODING_TOKENIZERS.setdefault(tokenizer, {})
+        encoding = copies.get(split_special_tokens)
+        if encoding is None or len(encoding) != len(tokenizer):
+            encoding = copies[split_special_tokens] = copy.deepcopy(tokenizer)
+        return encoding
 
 
 def _apply_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -131,7 +133,8 @@ class _Conversation:
             raise ValueError(f"max_new_tokens must be a positive integer (the longest reply), got {max_new_tokens!r}.")
         self.model = model
         self.tokenizer = tokenizer
-        self._plain_tokenizer = _plain_text_tokenizer(tokenizer)
+        # Text and the template's special tokens read as such, and text whose special-token strings stay text.
+        self._encoders = {plain: _encoding_tokenizer(tokenizer, plain) for plain in (False, True)}
         self.max_new_tokens = max_new_tokens
         self.format = TurnFormat.of(tokenizer)
         # The template's spacing before a reply's end (Llama 2: " </s>") is no token the model writes: stopping at
@@ -150,9 +153,8 @@ class _Conversation:
 
     def _ids(self, text: str, plain: bool = False) -> list[int]:
         """Token ids of `text`; with `plain`, special-token strings in it are ordinary text."""
-        if plain:
-            return list(self._plain_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        encoded = self._encoders[plain](text, add_special_tokens=False, split_special_tokens=plain)
+        return list(encoded["input_ids"])
 
     def prompt_ids(self, message: str) -> list[int]:
         """The ids of a user turn, up to where the assistant's reply starts."""
