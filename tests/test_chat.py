@@ -8,7 +8,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_ccm, tiny_llama_for
+from tiny_models import (
+    InjectedFailure,
+    fail_in_layer,
+    randomize_adapter,
+    tiny_ccm,
+    tiny_llama_for,
+    wordpiece_tokenizer,
+)
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
 from transformers_ccm.embedded import load_tokenizer
@@ -512,3 +519,19 @@ def test_a_tokenizer_that_splits_special_tokens_still_writes_the_templates_marke
         assert tried.turn(message) == plain.turn(message)
     assert tried.history_tokens == plain.history_tokens
     assert splitting.split_special_tokens and splitting("<|im_end|>")["input_ids"] != [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_a_message_the_tokenizer_reads_as_no_token_is_refused(conversation):
+    """A BERT-style tokenizer drops control and zero-width characters: such a message was answered as the template's
+    frame alone, an empty message. It is refused as the empty message is, the conversation as it was."""
+    tokenizer = wordpiece_tokenizer(
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '[END]' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    chat = conversation(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig()), tokenizer, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"The message '\\u200b\\x00' holds no text this tokenizer reads"):
+        chat.turn("\u200b\x00")
+    assert chat.history_tokens == 0
+    chat.turn("hello worlds")
+    assert chat.history_tokens > 0

@@ -1,10 +1,12 @@
+import re
+
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ccm_reference import reference_logits
-from tiny_models import VOCAB, tiny_ccm
+from tiny_models import VOCAB, tiny_ccm, wordpiece_tokenizer
 from transformers_ccm import CCMConfig, CCMDataCollator, OnlineSample
 from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.masks import sample_layout
@@ -50,6 +52,18 @@ def test_strings_are_tokenized():
 def test_empty_context_or_input(sample, where):
     with pytest.raises(ValueError, match=where):
         CCMDataCollator(CONFIG)([sample])
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\x00\x01", "\ufeff"])
+def test_text_the_tokenizer_reads_as_no_token_is_refused_as_such(text):
+    """A BERT-style tokenizer drops control and zero-width characters: such a context was refused as 'empty', a text
+    the user had given. The error quotes the text and says the tokenizer reads it as no token."""
+    collate = CCMDataCollator(CONFIG, tokenizer=wordpiece_tokenizer())
+    quoted = re.escape(repr(text))
+    with pytest.raises(ValueError, match=rf"contexts\[1\] is the text {quoted}, which the tokenizer reads as no token"):
+        collate([OnlineSample(["hello", text], "world")])
+    with pytest.raises(ValueError, match=r"contexts\[1\] is empty"):
+        collate([OnlineSample(["hello", ""], "world")])
 
 
 @pytest.mark.parametrize(

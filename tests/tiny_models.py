@@ -24,6 +24,7 @@ from transformers import (
     Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -250,3 +251,18 @@ def fail_in_layer(model: CCMForCausalLM, layer: int, after_calls: int) -> torch.
             raise InjectedFailure("injected failure")
 
     return block.register_forward_pre_hook(hook)
+
+
+def wordpiece_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A tiny BERT-style WordPiece tokenizer (it drops control and zero-width characters), built here: words `hello`,
+    `world`, `user`, `assistant` and `[END]`, a special token, with `chat_template`."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    words = ["[UNK]", "[PAD]", "[END]", "hello", "world", "user", "assistant", ":", "##s"]
+    backend = Tokenizer(models.WordPiece({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[END]"]})
+    tokenizer.chat_template = chat_template
+    return tokenizer

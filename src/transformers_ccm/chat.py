@@ -167,8 +167,16 @@ class _Conversation:
                 f"The message is not valid Unicode text (U+{ord(message[error.start]):04X} at character "
                 f"{error.start}, a lone surrogate: input that was not UTF-8); type it again as UTF-8 text."
             ) from None
+        written = self._as_written(message)
+        # The model would answer the template's frame alone: characters the tokenizer drops (a BERT-style tokenizer's
+        # control and zero-width characters), or a message the template trims to nothing.
+        if not self._ids(written, plain=True):
+            raise ValueError(
+                f"The message {message!r:.60} holds no text this tokenizer reads (it drops every character of it); "
+                "type something to say."
+            )
         before, after = self.format.before_message, self.format.after_message
-        text = before + self._as_written(message) + after
+        text = before + written + after
         # Encoded as one text, as the template's conversation is (encoded apart, "[INST] " + "Hi" gave a bare space
         # token before "Hi", where the model reads " Hi"), except that the frame's special tokens are read as such
         # and the message's special-token strings as text: the text between the last special token before the

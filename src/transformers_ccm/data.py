@@ -76,7 +76,11 @@ def token_ids(
             "this model's tokenizer."
         )
     if not ids and not empty_ok:
-        raise ValueError(f"{where} is empty: every context and every input needs at least one token.")
+        # A text the tokenizer reads as nothing (a BERT-style tokenizer drops control and zero-width characters) is not
+        # what the user calls empty.
+        text = isinstance(tokens, str) and tokens
+        what = f"is the text {tokens!r:.60}, which the tokenizer reads as no token" if text else "is empty"
+        raise ValueError(f"{where} {what}: every context and every input needs at least one token.")
     return ids
 
 
