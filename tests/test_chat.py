@@ -12,6 +12,7 @@ from tiny_models import (
     InjectedFailure,
     fail_in_layer,
     randomize_adapter,
+    sentencepiece_tokenizer,
     tiny_ccm,
     tiny_llama_for,
     wordpiece_tokenizer,
@@ -410,6 +411,11 @@ MISTRAL_TEMPLATE = (  # strict alternation; "[INST] " ends in a space that merge
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
+MISTRAL_V3_TEMPLATE = (  # its markers are special tokens; "[INST] " ends in a space that becomes the message's "▁"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + '[/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 LLAMA_3_TEMPLATE = (  # the BOS inside the first turn; each message trimmed
     "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
     " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
@@ -443,17 +449,33 @@ def _with_template(tokenizer, template: str):
     return other
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@functools.cache
+def _sentencepiece_with_template(template: str):
+    return sentencepiece_tokenizer(template)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    template=st.sampled_from([MISTRAL_TEMPLATE, LLAMA_3_TEMPLATE, GEMMA_TEMPLATE, PHI_3_TEMPLATE, QWEN3_TEMPLATE]),
+    case=st.sampled_from(
+        [
+            *((False, template) for template in (MISTRAL_TEMPLATE, LLAMA_3_TEMPLATE, GEMMA_TEMPLATE, PHI_3_TEMPLATE)),
+            (False, QWEN3_TEMPLATE),
+            (True, MISTRAL_V3_TEMPLATE),
+            (True, LLAMA_2_TEMPLATE),
+            (True, QWEN3_TEMPLATE),  # ChatML's markers before text with no space: no "▁" after them
+        ]
+    ),
     message=st.text(st.sampled_from("ab Z.\n\t'é"), max_size=12).filter(str.strip),
 )
-def test_a_turn_is_the_ids_of_the_conversation_the_template_writes(tokenizer, chat_model, template, message):
+def test_a_turn_is_the_ids_of_the_conversation_the_template_writes(tokenizer, chat_model, case, message):
     """The prompt's pieces were encoded apart: where the template's text before a message ends in a space or a newline
     (Mistral's "[INST] ", Llama 3's "\\n\\n"), the message's first word was read without it (a bare space token, then
-    "Hi", where the template's conversation holds " Hi"), and a template that trims messages (Llama 3, Gemma) saw them
-    untrimmed. A turn is now the ids the tokenizer gives the template's conversation that it ends, for any message."""
-    other = _with_template(tokenizer, template)
+    "Hi", where the template's conversation holds " Hi"), a SentencePiece tokenizer put a "▁" before every message
+    (and merges across the frame were lost), and a template that trims messages (Llama 3, Gemma) saw them untrimmed.
+    A turn is now the ids the tokenizer gives the template's conversation that it ends, for any message, with a
+    byte-level (SmolLM2's) or a SentencePiece-style tokenizer."""
+    sentencepiece, template = case
+    other = _sentencepiece_with_template(template) if sentencepiece else _with_template(tokenizer, template)
     session = ChatSession(chat_model, other, max_new_tokens=2)
     exchange = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     written = [

@@ -266,3 +266,21 @@ def wordpiece_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizer
     tokenizer.add_special_tokens({"additional_special_tokens": ["[END]"]})
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def sentencepiece_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A tiny SentencePiece-style BPE tokenizer (Mistral v0.3's kind: spaces as "▁", one before the text's first word
+    but none after a special token), trained here on a few sentences; `<s>`, `</s>`, `[INST]`, `[/INST]` and ChatML's
+    markers as special tokens; with `chat_template`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<|im_start|>", "<|im_end|>"]
+    corpus = ["Hello there, my friend! What is my name? I am fine.\nuser assistant"] * 20
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[3:]})
+    tokenizer.chat_template = chat_template
+    return tokenizer

@@ -149,7 +149,7 @@ class _Conversation:
         # The special tokens a template's frame holds: read as such, where a message's strings of them are text.
         self._specials = {token.content: token for token in tokenizer.added_tokens_decoder.values() if token.special}
         longest_first = sorted(self._specials, key=len, reverse=True)
-        self._special_pattern = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        self._special_pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): none to match
 
     def _ids(self, text: str, plain: bool = False) -> list[int]:
         """Token ids of `text`; with `plain`, special-token strings in it are ordinary text."""
@@ -177,10 +177,14 @@ class _Conversation:
             )
         before, after = self.format.before_message, self.format.after_message
         text = before + written + after
-        # Encoded as one text, as the template's conversation is (encoded apart, "[INST] " + "Hi" gave a bare space
-        # token before "Hi", where the model reads " Hi"), except that the frame's special tokens are read as such
-        # and the message's special-token strings as text: the text between the last special token before the
-        # message and the first one after it is encoded as plain text, including any frame text around the message.
+        # Encoded as one text, as the template's conversation is: encoded apart, "[INST] " + "Hi" gave a bare space
+        # token before "Hi" where the model reads " Hi", and a SentencePiece tokenizer's "▁" came before the text
+        # after a special token ("<|im_start|>" + "user\n"), where the whole text has none.
+        if self._special_pattern.search(written) is None:
+            return self._ids(text)
+        # The message's special-token strings stay text, the frame's special tokens are read as such: the text between
+        # the last special token before the message and the first one after it is encoded as plain text, including
+        # any frame text around the message.
         start, end = self._plain_span(text, len(before), len(text) - len(after))
         return self._ids(text[:start]) + self._ids(text[start:end], plain=True) + self._ids(text[end:])
 
@@ -196,8 +200,6 @@ class _Conversation:
         """The span of `text` to encode as plain text: from the end of the last special token that starts before
         `message_start` to the start of the first one at or after `message_end`, each widened over the whitespace
         such a token strips on that side (Phi-3's `rstrip`), as the tokenizer reads the whole text."""
-        if self._special_pattern is None:
-            return 0, len(text)
         start, end = 0, len(text)
         for match in self._special_pattern.finditer(text, 0, message_start):
             start = match.end()
