@@ -557,3 +557,17 @@ def test_a_message_the_tokenizer_reads_as_no_token_is_refused(conversation):
     assert chat.history_tokens == 0
     chat.turn("hello worlds")
     assert chat.history_tokens > 0
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_tokens_added_to_the_tokenizer_past_the_models_embeddings_are_refused(tokenizer, chat_model, conversation):
+    """A token added to the tokenizer without resizing the model's embeddings failed inside the embedding: for
+    FullContextChat with an IndexError at every message holding it (on a GPU, a device-side assert). The message is
+    refused naming the id, the conversation as it was."""
+    added = copy.deepcopy(tokenizer)
+    added.add_tokens(["zzqx"])
+    chat = conversation(chat_model, added, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"This turn .* holds the token id {len(tokenizer)}, outside the model's"):
+        chat.turn("hello zzqx")
+    assert chat.history_tokens == 0
+    chat.turn("hello")

@@ -13,7 +13,7 @@ from transformers import Cache, GenerationMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
-from transformers_ccm.data import check_position_limit
+from transformers_ccm.data import check_position_limit, token_ids
 from transformers_ccm.evaluation import kv_bytes_per_token
 from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
 from transformers_ccm.validation import positive_int
@@ -181,12 +181,14 @@ class _Conversation:
         # token before "Hi" where the model reads " Hi", and a SentencePiece tokenizer's "▁" came before the text
         # after a special token ("<|im_start|>" + "user\n"), where the whole text has none.
         if self._special_pattern.search(written) is None:
-            return self._ids(text)
-        # The message's special-token strings stay text, the frame's special tokens are read as such: the text between
-        # the last special token before the message and the first one after it is encoded as plain text, including
-        # any frame text around the message.
-        start, end = self._plain_span(text, len(before), len(text) - len(after))
-        return self._ids(text[:start]) + self._ids(text[start:end], plain=True) + self._ids(text[end:])
+            ids = self._ids(text)
+        else:
+            # The message's special-token strings stay text, the frame's special tokens are read as such: the text
+            # between the last special token before the message and the first one after it is encoded as plain text,
+            # including any frame text around the message.
+            start, end = self._plain_span(text, len(before), len(text) - len(after))
+            ids = self._ids(text[:start]) + self._ids(text[start:end], plain=True) + self._ids(text[end:])
+        return ids
 
     def _as_written(self, message: str) -> str:
         """`message` as the chat template writes it in a user turn (Llama 3 and Gemma trim it, Llama 2 strips it)."""
@@ -217,6 +219,10 @@ class _Conversation:
     ) -> tuple[list[int], list[int], list[int]]:
         """`model`'s greedy reply to `input_ids` after what `cache` holds: (every generated id, the reply's ids,
         the ids that close the turn as the template writes it but were not generated)."""
+        # A token added to the tokenizer without resizing the model's embeddings failed inside the embedding (for
+        # FullContextChat an IndexError; on a GPU, a device-side assert).
+        where = "This turn (the message in the chat template's frame)"
+        token_ids(input_ids, None, where, vocabulary=self.model.vocabulary_size)
         output = model.generate(
             torch.tensor([input_ids], device=self.model.device),
             **{CACHE_ARGUMENT: cache},
