@@ -4,6 +4,9 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import TextIteratorStreamer, pipeline
 
 from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
@@ -121,3 +124,59 @@ def test_a_generate_that_fails_in_a_worker_thread_ends_its_streamer(tokenizer, f
     assert len(raised) == 1 and isinstance(raised[0], error)
     assert not cache.has_unfolded_turn
     assert all(keys is layer.keys for keys, layer in zip(before, cache.layers, strict=True))
+
+
+def _model_state(model: CCMForCausalLM) -> tuple:
+    """What a refused call must leave as it was: weights, modules, trainability, PEFT configs and a memory."""
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7, 8]]))
+    return (
+        {key: value.clone() for key, value in model.state_dict().items()},
+        [type(module) for module in model.modules()],
+        {name: parameter.requires_grad for name, parameter in model.named_parameters()},
+        dict(model.base_model.peft_config),
+        [layer.keys.clone() for layer in cache.layers],
+    )
+
+
+def _assert_same_state(before: tuple, after: tuple) -> None:
+    weights, modules, trainable, configs, memory = before
+    assert after[0].keys() == weights.keys() and all(torch.equal(after[0][k], v) for k, v in weights.items())
+    assert after[1] == modules and after[2] == trainable
+    assert after[3].keys() == configs.keys() and all(after[3][k] is v for k, v in configs.items())
+    assert all(torch.equal(a, b) for a, b in zip(after[4], memory, strict=True))
+
+
+_PEFT_ON_A_CCM_MODEL = {
+    "get_peft_model(model)": lambda model, config, folder: get_peft_model(model, config),
+    "get_peft_model(model.base_model)": lambda model, config, folder: get_peft_model(model.base_model, config),
+    "PeftModel.from_pretrained(model)": lambda model, config, folder: PeftModel.from_pretrained(model, folder),
+    "model.base_model.load_adapter": lambda model, config, folder: model.base_model.load_adapter(
+        folder, adapter_name="other"
+    ),
+}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    architecture=st.sampled_from(["llama", "gpt2"]),
+    call=st.sampled_from(sorted(_PEFT_ON_A_CCM_MODEL)),
+    projections=st.data(),
+    with_mlp=st.booleans(),
+)
+def test_a_peft_adapter_put_on_a_ccm_model_is_refused_and_leaves_it_as_it_was(
+    tmp_path_factory, architecture, call, projections, with_mlp
+):
+    """PEFT re-initialized the trained CCM adapter in every LoRA layer it targeted (B = 0, under the name "default"),
+    or added one there that the gate never runs, and replaced the config a save writes, with a warning at most."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig()))
+    attention = sorted({name.rsplit(".", 1)[-1] for name, _ in model.base_model.named_modules() if "attn" in name})
+    attention = [name for name in attention if name in ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn")]
+    targets = projections.draw(st.lists(st.sampled_from(attention), min_size=1, unique=True))
+    targets += ["up_proj" if architecture == "llama" else "c_fc"] if with_mlp else []
+    folder = tmp_path_factory.mktemp("peft") / "adapter"
+    get_peft_model(tiny_base(architecture), LoraConfig(target_modules=targets)).save_pretrained(folder)
+    before = _model_state(model)
+    with pytest.raises(ValueError, match=r"A CCM model takes no PEFT adapter .*merge_and_unload\(\)"):
+        _PEFT_ON_A_CCM_MODEL[call](model, LoraConfig(target_modules=targets), folder)
+    _assert_same_state(before, _model_state(model))

@@ -6,6 +6,7 @@ exactly zero at every other position (`A 0 = 0`, no bias). The mask is per call,
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -88,6 +89,30 @@ def inject_lora(model: PreTrainedModel, config: CCMConfig) -> None:
     # As PEFT's get_peft_model does: on a float16 or bfloat16 base the LoRA weights are float32 (the gate casts at each
     # use), or an optimizer step of 1e-4 on a bfloat16 weight of 0.3 (whose step is 2e-3) would be rounded away.
     cast_adapter_dtype(model, ADAPTER_NAME)
+    # PEFT puts an adapter on a layer that already is a LoRA layer with `update_layer`: get_peft_model or
+    # PeftModel.from_pretrained on the CCM model (or add_adapter, load_adapter on its base model) re-initialized the
+    # trained adapter under its name (zero B), or added one the gate never runs.
+    refusal = functools.partial(_refuse_another_adapter, model.peft_config, dict(model.peft_config))
+    for layer in lora_layers(model):
+        layer.update_layer = refusal
+
+
+def _refuse_another_adapter(
+    configs: dict[str, LoraConfig], own: dict[str, LoraConfig], adapter_name: str, *args: Any, **kwargs: Any
+) -> None:
+    """`LoraLayer.update_layer` of the layers of a CCM model: raise, before PEFT changes anything on the layer.
+    `configs` is the model's `peft_config`, into which PEFT already put the new adapter's config (replacing the CCM
+    adapter's under its name, which a save would then write): it gets back `own`, what it held."""
+    configs.clear()
+    configs.update(own)
+    raise ValueError(
+        f"PEFT was asked to put the adapter {adapter_name!r} on a LoRA layer of a CCMForCausalLM, whose conditional "
+        "LoRA acts at <COMP> positions only: it would overwrite the trained CCM adapter, or add one that never runs. "
+        "A CCM model takes no PEFT adapter (get_peft_model or PeftModel.from_pretrained on it or its base_model, "
+        "base_model.add_adapter or base_model.load_adapter): load CCM adapters with CCMForCausalLM.from_pretrained or "
+        "model.load_adapter, and merge a plain LoRA into the base model (merge_and_unload()) before wrapping it with "
+        "CCMForCausalLM.from_base."
+    )
 
 
 def _refuse_parameter_targets(
