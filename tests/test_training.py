@@ -1075,3 +1075,30 @@ def test_train_with_a_pad_token_the_model_cannot_embed(tmp_path):
         train(model, padded, samples, None, tmp_path / str(len(adapters)), recipe)
         adapters.append(model.comp_embeddings.detach().clone())
     assert torch.equal(*adapters)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(unfrozen=st.sets(st.integers(0, 1000), min_size=1, max_size=4), everything=st.booleans())
+def test_train_refuses_base_weights_that_require_grad(tmp_path_factory, unfrozen, everything):
+    """After `model.requires_grad_(True)` the Trainer's optimizer trained the base model too, and the adapter saved
+    without it computed something else once loaded."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()))
+    base = [(name, p) for name, p in model.named_parameters() if name != "comp_embeddings" and ".lora_" not in name]
+    if everything:
+        model.requires_grad_(True)
+    for index in unfrozen:
+        base[index % len(base)][1].requires_grad_(True)
+    flags = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    weights = {key: value.clone() for key, value in model.state_dict().items()}
+    output_dir = tmp_path_factory.mktemp("run") / "out"
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=2)
+    with pytest.raises(ValueError, match=r"weights of the base model require grad .* Freeze them first"):
+        train(model, None, samples, None, output_dir, recipe)
+    assert {name: parameter.requires_grad for name, parameter in model.named_parameters()} == flags
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items())
+    assert not output_dir.exists()
+    for name, parameter in model.named_parameters():  # the fix the error names
+        parameter.requires_grad_(name == "comp_embeddings" or ".lora_" in name)
+    train(model, None, samples, None, output_dir, recipe)
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items() if key in dict(base))

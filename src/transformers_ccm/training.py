@@ -386,6 +386,7 @@ def train(
     """
     _refuse_sharded_launch()
     _refuse_disabled_gradients()
+    _refuse_trainable_base(model)
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
         raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
@@ -658,6 +659,19 @@ def _refuse_disabled_gradients() -> None:
         raise ValueError(
             f"train() was called inside {context}, where no gradient can be taken; call it outside that context (or "
             "within torch.enable_grad() and torch.inference_mode(False))."
+        )
+
+
+def _refuse_trainable_base(model: CCMForCausalLM) -> None:
+    """Raise, before any work, if a weight of the base model requires grad (`model.requires_grad_(True)`, say): the
+    Trainer's optimizer then trained it, and the adapter saved without it computed something else once loaded."""
+    trainable = [name for name, parameter in model._weights()["base"] if parameter.requires_grad]
+    if trainable:
+        raise ValueError(
+            f"{len(trainable)} weights of the base model require grad ({', '.join(trainable[:3])}"
+            f"{' ...' if len(trainable) > 3 else ''}), but train() trains the adapter alone (the LoRA and the <COMP> "
+            "embeddings), the only weights it saves. Freeze them first: for name, parameter in "
+            "model.named_parameters(): parameter.requires_grad_(name == 'comp_embeddings' or '.lora_' in name)."
         )
 
 
