@@ -21,7 +21,7 @@ import torch
 from huggingface_hub import RepoUrl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peft import LoraConfig
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftConfig, PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -1155,6 +1155,39 @@ def test_an_adapter_folder_given_as_base_model_says_to_load_it_with_from_pretrai
         CCMForCausalLM.from_pretrained(tmp_path / "adapter", base_model=tmp_path / "adapter")
 
 
+_PEFT_LOADS = {
+    "PeftModel.from_pretrained": lambda folder: PeftModel.from_pretrained(tiny_base("llama"), folder),
+    "AutoPeftModelForCausalLM.from_pretrained": AutoPeftModelForCausalLM.from_pretrained,
+    "AutoModelForCausalLM.from_pretrained": AutoModelForCausalLM.from_pretrained,
+    "load_adapter of a transformers model": lambda folder: tiny_base("llama").load_adapter(folder),
+}
+
+
+_REFUSED_BY_PEFT = r"Invalid task type: 'CCM_ADAPTER: .* load it with transformers_ccm\.CCMForCausalLM\.from_pretrained"
+
+
+@pytest.mark.parametrize("load", sorted(_PEFT_LOADS))
+def test_peft_and_transformers_refuse_a_ccm_adapter_naming_its_loader(tmp_path, base_folder, load):
+    """PEFT (and transformers, which loads a folder with adapter_config.json through it) loaded a CCM adapter without
+    a word: its LoRA at every token, its <COMP> embeddings dropped, a model that is neither the base nor CCM."""
+    folder = tmp_path / "adapter"
+    _adapter(str(base_folder)).save_pretrained(folder)
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with pytest.raises(ValueError, match=_REFUSED_BY_PEFT):
+        _PEFT_LOADS[load](folder)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == files
+    CCMForCausalLM.from_pretrained(folder)
+    _rewrite_json(folder / "adapter_config.json", task_type="CAUSAL_LM")  # as saved before
+    CCMForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", hub_module.shipped_adapters())
+def test_peft_refuses_the_shipped_adapters(name):
+    """Every PEFT load reads the adapter's config first."""
+    with pytest.raises(ValueError, match=_REFUSED_BY_PEFT):
+        PeftConfig.from_pretrained(resolve_adapter(name))
+
+
 def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     model = tiny_ccm("llama")
     live = model.base_model.peft_config["default"]
@@ -1162,7 +1195,7 @@ def test_saving_leaves_the_live_peft_config_unchanged(tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     assert live.to_dict() == before
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert saved["task_type"] == "CAUSAL_LM"
+    assert saved["task_type"] == hub_module.PEFT_TASK_TYPE
 
 
 def test_a_load_that_fails_halfway_leaves_the_adapter_and_its_caches_as_they_were(tmp_path):

@@ -48,6 +48,13 @@ MANIFEST_MAX_BYTES = 1 << 16
 VERIFIED_FILES = (CONFIG_NAME, ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
 ADAPTER_FILES = (*VERIFIED_FILES, MODEL_CARD_NAME, MANIFEST_NAME)
 PEFT_PREFIX = "base_model.model."
+# adapter_config.json's task_type: PEFT refuses a task type it does not know, naming it, so that PEFT
+# (`PeftModel.from_pretrained`, `AutoPeftModelForCausalLM`) and transformers (`AutoModelForCausalLM.from_pretrained`
+# of the folder, `load_adapter`) do not load a LoRA that would act at every token, without the <COMP> embeddings.
+PEFT_TASK_TYPE = (
+    "CCM_ADAPTER: a Compressed Context Memory adapter, whose LoRA and <COMP> embeddings run only inside "
+    "transformers-ccm; load it with transformers_ccm.CCMForCausalLM.from_pretrained"
+)
 COMP_EMBEDDINGS_KEY = "ccm.comp_embeddings"
 SHIPPED_PREFIX = "ccm:"
 SHIPPED_FOLDER = Path(__file__).parent / "adapters"
@@ -96,7 +103,7 @@ def save_adapter(
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
-    lora_config.task_type = "CAUSAL_LM"
+    lora_config.task_type = PEFT_TASK_TYPE
     prefixed = {
         (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value for key, value in _snapshot(tensors).items()
     }
