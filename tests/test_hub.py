@@ -1443,3 +1443,35 @@ def test_the_wrapped_base_refuses_a_distributed_checkpoint_and_writes_nothing(tm
     with pytest.raises(ValueError, match=r"distributed_checkpoint=True\) on a base model wrapped by a CCM model"):
         base.save_pretrained(tmp_path / "base", distributed_checkpoint=True)
     assert not (tmp_path / "base").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refusal"),
+    [
+        ({"safe_serialization": True}, None),
+        ({"safe_serialization": True, "is_main_process": True}, None),
+        ({"is_main_process": False}, None),
+        ({"safe_serialization": False}, r"saved as safetensors only .* without safe_serialization=False"),
+        ({"safe_serialization": False, "is_main_process": False}, r"saved as safetensors only"),
+        ({"is_main_process": "no"}, r"is_main_process must be True or False, got 'no'"),
+    ],
+)
+def test_save_pretrained_takes_the_arguments_of_transformers_and_peft(tmp_path, arguments, refusal):
+    """`save_pretrained(folder, safe_serialization=True)`, as transformers and PEFT users write it, failed on an
+    unexpected keyword, and a process other than the main one (`is_main_process=False`) could not skip the write."""
+    model = tiny_ccm("llama")
+    model.save_pretrained(tmp_path / "plain")
+    target = tmp_path / "adapter"
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            model.save_pretrained(target, **arguments)
+        assert not target.exists()
+        return
+    model.save_pretrained(target, **arguments)
+    if not arguments.get("is_main_process", True):
+        assert not target.exists()
+        return
+    saved = {path.name: path.read_bytes() for path in target.iterdir()}
+    plain = {path.name: path.read_bytes() for path in (tmp_path / "plain").iterdir()}
+    assert saved.keys() == plain.keys()
+    assert all(saved[name] == plain[name] for name in plain if name != "README.md")  # the card names its folder

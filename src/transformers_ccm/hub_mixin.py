@@ -60,8 +60,20 @@ class AdapterHubMixin:
         """Every adapter tensor as saved: the LoRA under PEFT's key names and the `<COMP>` embeddings."""
         return {**self.lora_state_dict(), COMP_EMBEDDINGS_KEY: self.comp_embeddings}
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> None:
-        """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base."""
+    def save_pretrained(
+        self, save_directory: str | os.PathLike[str], safe_serialization: bool = True, is_main_process: bool = True
+    ) -> None:
+        """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base. As in
+        transformers and PEFT, a process other than the main one (`is_main_process=False`) writes nothing; the weights
+        are safetensors only (`safe_serialization=False`, a pickle, is refused)."""
+        check_flags(safe_serialization=safe_serialization, is_main_process=is_main_process)
+        if not safe_serialization:
+            raise ValueError(
+                "A CCM adapter is saved as safetensors only (nothing is pickled, so nothing runs when it is loaded); "
+                "call save_pretrained without safe_serialization=False."
+            )
+        if not is_main_process:
+            return
         with self._adapter_step("save_pretrained()"):
             self._check_in_place()  # weights on the meta device hold no values to write
             save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
