@@ -180,3 +180,31 @@ def test_a_peft_adapter_put_on_a_ccm_model_is_refused_and_leaves_it_as_it_was(
     with pytest.raises(ValueError, match=r"A CCM model takes no PEFT adapter .*merge_and_unload\(\)"):
         _PEFT_ON_A_CCM_MODEL[call](model, LoraConfig(target_modules=targets), folder)
     _assert_same_state(before, _model_state(model))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(architecture=st.sampled_from(["llama", "gpt2"]), on_base=st.booleans(), mlp=st.data())
+def test_a_peft_lora_added_beside_the_ccm_one_is_refused_at_every_call_and_save(
+    tmp_path_factory, architecture, on_base, mlp
+):
+    """get_peft_model with targets outside CCM's LoRA layers (the MLP) puts LoRA layers there that act at every token
+    (calls were refused as if `enable_adapters(True)` had been called, naming the wrong fix), and on the base model
+    replaces the adapter's config: save_pretrained wrote, over the adapter saved before, one that does not load."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base(architecture), CCMConfig()))
+    choices = ["gate_proj", "up_proj", "down_proj"] if architecture == "llama" else ["c_fc"]
+    targets = mlp.draw(st.lists(st.sampled_from(choices), min_size=1, unique=True))
+    folder = tmp_path_factory.mktemp("adapter") / "saved"
+    model.save_pretrained(folder)
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    get_peft_model(model.base_model if on_base else model, LoraConfig(target_modules=targets))
+    refusal = r"PEFT changed this CCM model's adapter after it was wrapped: LoRA layers added on .*Build the model"
+    for call in (
+        lambda: model.compress(model.new_cache(), torch.tensor([[5, 6, 7]])),
+        lambda: model.generate(torch.tensor([[8, 9]]), past_key_values=cache, max_new_tokens=2),
+        lambda: model.save_pretrained(folder),
+    ):
+        with pytest.raises(ValueError, match=refusal):
+            call()
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == files

@@ -50,6 +50,7 @@ class AdapterHubMixin:
     comp_embeddings: nn.Parameter
     _release_base: Callable[[], None]  # undoes `cls(base_model, config)` on the base model after a failed load
     _check_in_place: Callable[[], None]  # raises where weights are offloaded or on the meta device (hold no values)
+    _check_lora_layers: Callable[[], None]  # raises where PEFT added LoRA layers or replaced the adapter's config
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA weights under PEFT's key names (without the adapter name)."""
@@ -76,6 +77,7 @@ class AdapterHubMixin:
             return
         with self._adapter_step("save_pretrained()"):
             self._check_in_place()  # weights on the meta device hold no values to write
+            self._check_lora_layers()  # else it wrote an adapter that does not load, over the one saved before
             save_adapter(save_directory, self.config, self.base_model.peft_config[ADAPTER_NAME], self.adapter_tensors())
 
     @contextmanager
@@ -109,6 +111,7 @@ class AdapterHubMixin:
         does: to the branch `revision` (created if needed), or as a pull request with `create_pr`."""
         with self._adapter_step("push_to_hub()"):
             self._check_in_place()
+            self._check_lora_layers()
             return push_adapter(
                 repo_id,
                 self.config,

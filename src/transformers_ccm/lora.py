@@ -205,6 +205,7 @@ class LoRAGate:
         layers = lora_layers(model)
         if not layers:
             raise TypeError(f"{type(model).__name__} has no LoRA layers to gate.")
+        self.layers = tuple(layers)  # those the hooks run: PEFT may add others later (get_peft_model)
         for layer in layers:
             layer._disable_adapters = True  # set once: PEFT's path never runs the adapter, these hooks do
         self._handles = [layer.register_forward_hook(self._add_lora) for layer in layers]

@@ -218,6 +218,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         # Checked on the model as it was given, before anything is added to it.
         self._keys_movable = _probe_base_model(base_model, self._rotary_module)
         inject_lora(base_model, config)
+        self._lora_config = base_model.peft_config[ADAPTER_NAME]  # `_check_lora_layers`
         base_model.requires_grad_(False)
         for layer in lora_layers(base_model):
             layer.lora_A.requires_grad_(True)
@@ -387,6 +388,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 "switched after the model was wrapped); switch with model.set_attn_implementation('sdpa' or 'eager')."
             )
         self._check_in_place()
+        self._check_lora_layers()
         enabled = [layer for layer in self._listing()[1] if not layer.disable_adapters]
         if enabled:
             raise ValueError(
@@ -409,6 +411,31 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             self._listed = None
             weights = list(self.named_parameters())
         _check_weights_in_place(self, self.base_model, weights)
+
+    def _check_lora_layers(self) -> None:
+        """Raise if PEFT changed the adapter after the model was wrapped (get_peft_model or add_adapter with targets
+        beside CCM's LoRA layers, which `inject_lora` keeps PEFT from updating): LoRA layers the gate does not run,
+        which act at every token, or another config under the adapter's name; a save would write an adapter that
+        does not load."""
+        configs = getattr(self.base_model, "peft_config", {})
+        replaced = list(configs) != [ADAPTER_NAME] or configs[ADAPTER_NAME] is not self._lora_config
+        listed, gated_layers = self._listing()[1], self._gate.layers
+        if not replaced and len(listed) == len(gated_layers) and all(map(operator.is_, listed, gated_layers)):
+            return
+        gated = {id(layer) for layer in gated_layers}
+        added = [
+            name
+            for name, module in self.base_model.named_modules()
+            if isinstance(module, LoraLayer) and id(module) not in gated
+        ]
+        details = [f"LoRA layers added on {added[:3]}{' ...' if len(added) > 3 else ''}"] if added else []
+        details += [f"base_model.peft_config replaced ({sorted(configs)})"] if replaced else []
+        raise ValueError(
+            f"PEFT changed this CCM model's adapter after it was wrapped: {'; '.join(details)}, by get_peft_model or "
+            "add_adapter on the model or its base_model. A CCM model takes no PEFT adapter: the added LoRA would act "
+            "at every token, and a saved adapter would not load. Build the model again (CCMForCausalLM.from_base or "
+            "from_pretrained); merge a plain LoRA into the base model (merge_and_unload()) before wrapping it."
+        )
 
     def _release_base(self) -> None:
         """Give `base_model` back as it was before this model was built around it (a load into a caller's model
