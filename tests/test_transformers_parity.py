@@ -208,3 +208,24 @@ def test_a_peft_lora_added_beside_the_ccm_one_is_refused_at_every_call_and_save(
         with pytest.raises(ValueError, match=refusal):
             call()
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == files
+
+
+def test_peft_s_disable_adapter_is_adapter_disabled_and_its_merges_are_refused():
+    """`with model.disable_adapter():` (PEFT's idiom, TRL's reference model) and `merge_and_unload()` failed on an
+    AttributeError; merged, a conditional LoRA would act at every token."""
+    model = tiny_ccm("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with model.disable_adapter():
+        plain = model.base_model(input_ids=ids).logits
+        with pytest.raises(ValueError, match=r"ran inside model\.adapter_disabled\(\)"):
+            model.compress(model.new_cache(), ids)
+    with model.lora_at(torch.ones_like(ids, dtype=torch.bool)):
+        assert not torch.allclose(model.base_model(input_ids=ids).logits, plain)
+        with model.disable_adapter():
+            assert torch.equal(model.base_model(input_ids=ids).logits, plain)
+    assert torch.equal(tiny_base("llama")(input_ids=ids).logits, plain)
+    before = _model_state(model)
+    for merge in (model.merge_and_unload, model.merge_adapter):
+        with pytest.raises(ValueError, match=r"cannot be merged .* model\.adapter_disabled\(\)"):
+            merge()
+    _assert_same_state(before, _model_state(model))

@@ -1440,6 +1440,21 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             self.base_model.num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + comp
         )
 
+    def disable_adapter(self) -> AbstractContextManager[None]:
+        """PEFT's name of `adapter_disabled()` (`PeftModel.disable_adapter`): the base model alone in the context."""
+        return self.adapter_disabled()
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> None:
+        """Refused, as `merge_adapter` is: merged into the base weights, the LoRA would act at every token."""
+        raise ValueError(
+            "A CCM model's LoRA cannot be merged into the base model's weights (merge_and_unload(), merge_adapter()): "
+            "it acts at <COMP> positions only, with the <COMP> embeddings and the memory of a CCM cache, and merged it "
+            "would act at every token. Keep the model wrapped and save its adapter with save_pretrained(); for the "
+            "base model alone use model.adapter_disabled() (PEFT's disable_adapter())."
+        )
+
+    merge_adapter = merge_and_unload
+
     def print_trainable_parameters(self) -> None:
         """Print the trainable and total parameter counts, as PEFT's `PeftModel` does."""
         trainable, total = self.get_nb_trainable_parameters()
