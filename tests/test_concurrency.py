@@ -34,8 +34,8 @@ from tiny_models import (
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import load_tokenizer
-from transformers_ccm.modeling import _frequency_setting_rotaries, _one_at_a_time
 from transformers_ccm.streaming import StreamingConfig
+from transformers_ccm.wrapping import frequency_setting_rotaries, one_at_a_time
 
 Result = list[object]
 
@@ -669,8 +669,8 @@ def test_a_longrope_model_pickles_and_loads_back_with_its_rotary_still_run_one_a
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    rotaries = [type(module) for module in _frequency_setting_rotaries(loaded.base_model)]
-    assert rotaries and all(rotary is _one_at_a_time(rotary.__mro__[1]) for rotary in rotaries)
+    rotaries = [type(module) for module in frequency_setting_rotaries(loaded.base_model)]
+    assert rotaries and all(rotary is one_at_a_time(rotary.__mro__[1]) for rotary in rotaries)
     ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(0))
     logits = []
     for each in (model, loaded):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from transformers_ccm.data import IGNORE_INDEX
-from transformers_ccm.modeling import CCMForCausalLM, evaluating
+from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.modes import evaluating
 
 
 def plain_history(batch: dict[str, torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,8 @@ from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.files import replace_file
 from transformers_ccm.hub import VERIFIED_FILES, read_adapter
 from transformers_ccm.json_reading import parse_json_object
-from transformers_ccm.modeling import CCMForCausalLM, modes_kept
+from transformers_ccm.modeling import CCMForCausalLM
+from transformers_ccm.modes import modes_kept
 from transformers_ccm.stream_training import StreamCollator, stream_loss
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.validation import check_setting, finite_number, is_int, number, positive_int
