@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 TrainingAttention = Literal["auto", "dense", "flex"]
 TRAINING_ATTENTION: tuple[str, ...] = ("auto", "dense", "flex")
 
+# The names a caller may pass the cache under: transformers 5.24 renamed `past_key_values` to `cache` (`CACHE_ARGUMENT`
+# is the installed version's), keeping the old one as a deprecated alias.
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
