@@ -95,9 +95,9 @@ def _load_samples(
     stream_length: int | None = None,
 ) -> list[OnlineSample] | list[list[int]]:
     """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only). `tokenizer()` gives
-    the tokenizer, called only for text tasks."""
+    the tokenizer, called for built-in tasks only (not for a JSONL file)."""
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.tasks import load_jsonl, make_samples
+    from transformers_ccm.tasks import load_jsonl, make_samples, mixture_weights
     from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
 
     if stream_length is not None and task not in TEXT_TASKS:
@@ -119,7 +119,9 @@ def _load_samples(
         return stream_samples(
             tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
-    return make_samples(task, split, count, seed=seed)
+    mixture_weights(task)  # an unknown task is refused before the tokenizer loads
+    # Chat wordings in the model's chat template, as `ccm chat` talks to it.
+    return make_samples(task, split, count, seed=seed, tokenizer=tokenizer())
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -207,25 +209,19 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise _in_flags(error) from None
     else:
         check_fresh_start(args.output_dir)
-    # The samples before the model: a bad JSONL file is refused before any model loads. The tokenizer loads once, and
-    # only here for text tasks.
+    # The samples before the model, JSONL files first: a bad one is refused before the tokenizer or any model loads.
+    # The tokenizer loads once: built-in tasks write their chat turns in its template, text tasks are cut with it.
     tokenizer = functools.cache(functools.partial(load_tokenizer, args.model))
-    train_samples = _load_samples(
-        args.task,
-        "train",
-        args.steps * args.batch_size * args.gradient_accumulation,
-        args.seed,
-        tokenizer,
-        args.compress_chunk,
-        stream_length,
-    )
     # A JSONL training file has no held-out split of its own.
     eval_task = args.eval_task or (None if _is_file(args.task) else args.task)
-    eval_samples = (
-        _load_samples(eval_task, "test", args.eval_samples, args.seed, tokenizer, args.compress_chunk, stream_length)
-        if eval_task
-        else None
-    )
+    wanted = {"train": (args.task, args.steps * args.batch_size * args.gradient_accumulation)}
+    if eval_task:
+        wanted["test"] = (eval_task, args.eval_samples)
+    drawn = {
+        split: _load_samples(task, split, count, args.seed, tokenizer, args.compress_chunk, stream_length)
+        for split, (task, count) in sorted(wanted.items(), key=lambda item: not _is_file(item[1][0]))
+    }
+    train_samples, eval_samples = drawn["train"], drawn.get("test")
     model = CCMForCausalLM.from_base(args.model, config)
     if args.init_adapter:
         model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
@@ -347,10 +343,13 @@ def _refuse_baselines(models: dict[str, CCMForCausalLM], fix: str) -> None:
         )
 
 
-def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int, list[OnlineSample], str]]:
+def _evaluation_sets(
+    task: str, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None
+) -> list[tuple[str, int, list[OnlineSample], str]]:
     """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric): a built-in task per wording
-    set and time step; a JSONL file of your own samples grouped by their number of contexts (wording set "own"),
-    by accuracy where every sample lists its choices, by perplexity otherwise."""
+    set and time step, its chat wordings in `tokenizer`'s chat template (ChatML without one); a JSONL file of your
+    own samples grouped by their number of contexts (wording set "own"), by accuracy where every sample lists its
+    choices, by perplexity otherwise."""
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl, make_samples
 
     if _is_file(task):
@@ -381,7 +380,7 @@ def _evaluation_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int
         (
             wordings,
             t,
-            make_samples(task, "test", args.samples, seed=args.seed, steps=t, wordings=wordings),
+            make_samples(task, "test", args.samples, seed=args.seed, steps=t, wordings=wordings, tokenizer=tokenizer),
             METRIC[task],
         )
         for wordings in (("seen", "unseen") if has_unseen_wordings(task) else ("seen",))
@@ -418,7 +417,9 @@ def _earlier_report(folder: str) -> tuple[list[dict], list[Drawn]]:
     return rows, drawn
 
 
-def _draw_again(drawn: list[Drawn], model: CCMForCausalLM, seed: int, folder: str) -> list[SampleSet]:
+def _draw_again(
+    drawn: list[Drawn], model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, seed: int, folder: str
+) -> list[SampleSet]:
     """The sample sets of a report (`drawn` as `_earlier_report` gives them), drawn again as its run drew them
     (same task, wording set, time step and count, with `seed`), once its full-context prompts were found to fit
     `model`'s positions: a report claiming ten million contexts per sample (and as many tokens) was drawn for
@@ -436,7 +437,7 @@ def _draw_again(drawn: list[Drawn], model: CCMForCausalLM, seed: int, folder: st
     sample_sets = []
     for task, wordings, steps, count, _ in drawn:
         again = argparse.Namespace(samples=count, seed=seed, steps=[steps])
-        sample_sets += [(task, *found) for found in _evaluation_sets(task, again) if found[0] == wordings]
+        sample_sets += [(task, *found) for found in _evaluation_sets(task, again, tokenizer) if found[0] == wordings]
     return sample_sets
 
 
@@ -558,7 +559,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     else:
         defaults = {"tasks": _EVAL_TASKS, "samples": _EVAL_SAMPLES}
         args = argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
-        sample_sets = [(task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args)]
+        for task in args.tasks:  # a bad task or file is refused before any model loads
+            _evaluation_sets(task, args, None)
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     _refuse_baselines(
         {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
@@ -587,8 +589,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         )
     tokenizer = loaded[0][2]
     reference = next(iter(models.values()))
+    # Drawn once the tokenizer is known: chat wordings are written in its chat template, as the model was trained.
     if args.add_to:
-        sample_sets = _draw_again(drawn, reference, args.seed, args.add_to)
+        sample_sets = _draw_again(drawn, reference, tokenizer, args.seed, args.add_to)
+    else:
+        sample_sets = [
+            (task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args, tokenizer)
+        ]
     baselines = (
         [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
     )

@@ -14,14 +14,26 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json, read_regular_file
 from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
 from transformers_ccm.tasks.vocabulary import SPLITS, Split
-from transformers_ccm.tasks.wordings import WORDING_SETS, Built, TaskSample, WordingSet, check_wording_set, select
+from transformers_ccm.tasks.wordings import (
+    WORDING_SETS,
+    Built,
+    TaskSample,
+    WordingSet,
+    chat_format,
+    check_wording_set,
+    select,
+)
 
-Generator = Callable[[random.Random, Split, int, Any], Built]
+# (rng, split, time steps, wording, the turns chat wordings are written in) -> a sample and its items
+Generator = Callable[[random.Random, Split, int, Any, TurnFormat], Built]
 
 TASKS: dict[str, Generator] = {
     "icl": icl.icl_sample,
@@ -109,6 +121,7 @@ def make_task_samples(
     seed: int = 0,
     steps: int | None = None,
     wordings: WordingSet | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[TaskSample]:
     """`count` samples of a built-in task (a family of `TASKS`, "mixture" of the first five, or a
     weighted mixture such as "icl:3,dialogue:1"; see `mixture_weights`), each with its wording id and the
@@ -117,8 +130,11 @@ def make_task_samples(
     With `steps=None` each sample has a random number of contexts (1 to the family's maximum); otherwise
     exactly `steps`. `wordings` picks the surface forms: "seen" (the default for training; the only set
     training accepts), "unseen" (held out of training) or "all" (the default for the test split). A mixture
-    asking for unseen wordings draws from the families that have some. The same arguments always give the
-    same samples.
+    asking for unseen wordings draws from the families that have some.
+
+    Chat wordings are written in the chat template of `tokenizer` (the model's, as `ccm chat` talks to it), and in
+    ChatML (SmolLM2's template) without a tokenizer or a template `ccm chat` can use (`wordings.chat_format`);
+    only those turns differ between tokenizers. The same arguments always give the same samples.
     """
     weights = mixture_weights(task)
     if split not in SPLITS:
@@ -128,13 +144,14 @@ def make_task_samples(
         weights = {family: weight for family, weight in weights.items() if has_unseen_wordings(family)}
     families = [family for family, weight in weights.items() for _ in range(weight)]
     pools = {family: select(family, WORDINGS[family], which) for family in weights}
+    chat = chat_format(tokenizer)
     rng = random.Random(f"{task}:{split}:{seed}:{steps}:{which}")
     samples = []
     for index in range(count):
         family = families[index % len(families)]
         sample_steps = steps if steps is not None else rng.randint(1, MAX_STEPS[family])
         wording = rng.choice(pools[family])
-        sample, items = TASKS[family](rng, split, sample_steps, wording)
+        sample, items = TASKS[family](rng, split, sample_steps, wording, chat)
         samples.append(TaskSample(sample, family, wording.id, wording.held_out, items))
     return samples
 
@@ -146,9 +163,10 @@ def make_samples(
     seed: int = 0,
     steps: int | None = None,
     wordings: WordingSet | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[OnlineSample]:
     """The samples of `make_task_samples` without their provenance."""
-    return [built.sample for built in make_task_samples(task, split, count, seed, steps, wordings)]
+    return [built.sample for built in make_task_samples(task, split, count, seed, steps, wordings, tokenizer)]
 
 
 def _check_task(task: str) -> str:

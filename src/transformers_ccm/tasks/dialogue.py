@@ -18,11 +18,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, draw_facts, fill, with_lookalike
 from transformers_ccm.tasks.replies import ramble
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, Phrasings, at_answer, in_chat_format
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,11 @@ ASIDES = Phrasings(
 KINDS = sorted(FACTS)
 
 
-def dialogue_sample(rng: random.Random, split: Split, steps: int, wording: DialogueWording) -> Built:
-    """A dialogue with `steps` earlier exchanges, some sharing facts, and a last turn recalling one of them."""
+def dialogue_sample(
+    rng: random.Random, split: Split, steps: int, wording: DialogueWording, chat: TurnFormat = CHATML_FORMAT
+) -> Built:
+    """A dialogue with `steps` earlier exchanges, some sharing facts, and a last turn recalling one of them; chat turns
+    as `chat` writes them."""
     held_out = wording.held_out
     facts = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
     if split == "train":  # test dialogues keep uniform draws, so their samples and scores stay comparable
@@ -155,7 +159,7 @@ def dialogue_sample(rng: random.Random, split: Split, steps: int, wording: Dialo
             answer = fill(FACTS[kind].recalls.pick(rng, held_out), facts[kind])
             exchanges.append((_with_aside(rng, FACTS[kind].questions.pick(rng, held_out), held_out), answer))
         question = _with_aside(rng, question, held_out)
-    exchange = wording.frame(rng)
+    exchange = in_chat_format(wording.frame(rng), chat)
     prompt, output = at_answer(exchange, recall, user=question)
     contexts = [exchange.format(user=user, answer=assistant) for user, assistant in exchanges]
     return OnlineSample(contexts, prompt, output), tuple(facts.values())

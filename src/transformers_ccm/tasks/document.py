@@ -14,10 +14,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.text import long_text
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built
 
 MAX_WORDS = 48  # a passage: about 60 tokens, near the paper's ~50-token contexts
 MIN_WORDS = 6
@@ -72,8 +73,11 @@ def _lorem(rng: random.Random, split: Split, count: int) -> list[str]:
     return passages
 
 
-def document_sample(rng: random.Random, split: Split, steps: int, wording: DocumentWording) -> Built:
-    """`steps` consecutive passages, then the start of the next one as the input and its rest as the output."""
+def document_sample(
+    rng: random.Random, split: Split, steps: int, wording: DocumentWording, chat: TurnFormat = CHATML_FORMAT
+) -> Built:
+    """`steps` consecutive passages, then the start of the next one as the input and its rest as the output. Its
+    wordings hold no chat turns: `chat` is taken as every family's generator takes it."""
     if wording.source == "reference":
         text = passages(split)
         start = rng.randrange(len(text) - steps)

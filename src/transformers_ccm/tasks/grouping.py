@@ -15,9 +15,10 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, at_answer
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, at_answer, in_chat_format
 
 ITEM_KINDS = ("female_name", "male_name", "country", "language", "job", "state", "color", "hobby", "pet")
 # What a person might call each kind's group; no noun serves two kinds, so the names of a sample's groups differ.
@@ -136,11 +137,14 @@ def group_names(rng: random.Random, split: Split, kinds: list[str]) -> tuple[lis
     return [rng.choice(CATEGORY_NOUNS[kind]) for kind in kinds], []
 
 
-def grouping_sample(rng: random.Random, split: Split, steps: int, wording: GroupingWording) -> Built:
-    """One sample with `steps` contexts, each an item of one of 2-4 kinds with its group's name, and the items it
+def grouping_sample(
+    rng: random.Random, split: Split, steps: int, wording: GroupingWording, chat: TurnFormat = CHATML_FORMAT
+) -> Built:
+    """One sample with `steps` contexts (chat turns as `chat` writes them), each an item of one of 2-4 kinds with its
+    group's name, and the items it
     uses: the asked one first, which no context holds, then those of the contexts (small kinds such as pets
     repeat theirs once their pool runs out), then the group names that are word-list items."""
-    demonstration = wording.frame(rng)
+    demonstration = in_chat_format(wording.frame(rng), chat)
     kinds = rng.sample(ITEM_KINDS, rng.randint(2, 4))
     names, named_items = group_names(rng, split, kinds)
     asked_kind = rng.randrange(len(kinds))

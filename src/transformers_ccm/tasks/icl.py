@@ -12,9 +12,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, at_answer, field_name
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, at_answer, field_name, in_chat_format
 
 ENTITY_TYPES = ("first_name", "country", "language", "job", "state", "color")
 
@@ -92,10 +93,18 @@ WORDINGS = (
 )
 
 
-def icl_sample(rng: random.Random, split: Split, steps: int, wording: IclWording, classes: int = 3) -> Built:
-    """One sample with `steps` demonstrations. Task identity (types and label words) comes from `split`. Entities
-    differ while the split has enough of their type; past that, they repeat."""
-    demonstration = wording.frame(rng)
+def icl_sample(
+    rng: random.Random,
+    split: Split,
+    steps: int,
+    wording: IclWording,
+    chat: TurnFormat = CHATML_FORMAT,
+    classes: int = 3,
+) -> Built:
+    """One sample with `steps` demonstrations, chat turns written as `chat` writes them. Task identity (types and
+    label words) comes from `split`. Entities differ while the split has enough of their type; past that, they
+    repeat."""
+    demonstration = in_chat_format(wording.frame(rng), chat)
     types = rng.sample(ENTITY_TYPES, classes)
     labels = rng.sample(words("word", split), classes)
     used: list[str] = []

@@ -14,12 +14,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.dialogue import CHATML, DialogueWording
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, fill
 from transformers_ccm.tasks.replies import ramble
 from transformers_ccm.tasks.vocabulary import Split, with_article, words
-from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, Phrasings, at_answer, in_chat_format
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,12 @@ class _Person:
     job: str | None
 
 
-def people_sample(rng: random.Random, split: Split, steps: int, wording: DialogueWording) -> Built:
+def people_sample(
+    rng: random.Random, split: Split, steps: int, wording: DialogueWording, chat: TurnFormat = CHATML_FORMAT
+) -> Built:
     """A conversation of `steps` exchanges naming one to four people (and maybe the user), and a question about
-    one of them whose choices are the answer and the same answer about the others."""
+    one of them whose choices are the answer and the same answer about the others; chat turns as `chat` writes
+    them."""
     held_out = wording.held_out
     relations = rng.sample(_relations(held_out), min(steps, rng.randint(2, 4)))
     taken: set[str] = set()
@@ -225,7 +229,7 @@ def people_sample(rng: random.Random, split: Split, steps: int, wording: Dialogu
     if wording.long_replies:
         exchanges = [(user, f"{assistant} {ramble(rng, split, held_out, items)}") for user, assistant in exchanges]
     question, answers = _question(rng, split, people, user_name, held_out)
-    exchange = wording.frame(rng)
+    exchange = in_chat_format(wording.frame(rng), chat)
     options = [at_answer(exchange, answer, user=question)[1] for answer in answers]
     prompt, output = at_answer(exchange, answers[0], user=question)
     rng.shuffle(options)

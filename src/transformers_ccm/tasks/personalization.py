@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.facts import FACTS, SMALL_TALK, draw_facts, fill
 from transformers_ccm.tasks.vocabulary import Split, words
-from transformers_ccm.tasks.wordings import Built, Phrasings, at_answer, field_name
+from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, Phrasings, at_answer, field_name, in_chat_format
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,16 @@ FILLER = Phrasings(
 
 
 def personalization_sample(
-    rng: random.Random, split: Split, steps: int, wording: ProfileWording, choices: int = 3
+    rng: random.Random,
+    split: Split,
+    steps: int,
+    wording: ProfileWording,
+    chat: TurnFormat = CHATML_FORMAT,
+    choices: int = 3,
 ) -> Built:
-    """A user with `steps` posts (some reveal facts, the rest are filler) and a question about one fact."""
-    post_frame, question_frame = wording.frames(rng)
+    """A user with `steps` posts (some reveal facts, the rest are filler) and a question about one fact; chat turns as
+    `chat` writes them."""
+    post_frame, question_frame = (in_chat_format(frame, chat) for frame in wording.frames(rng))
     profile = draw_facts(rng, split, KINDS, max(1, (steps + 1) // 2))
     posts = [fill(FACTS[kind].statements.pick(rng, wording.held_out), value) for kind, value in profile.items()]
     while len(posts) < steps:

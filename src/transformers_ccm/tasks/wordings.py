@@ -9,10 +9,14 @@ shares neither its frame nor its sentences with training.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from transformers_ccm.chat import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split
 
@@ -105,3 +109,47 @@ def at_answer(template: str, answer: str, **fields: str) -> tuple[str, str]:
     before, after = template.split("{answer}")
     prompt = before.rstrip(" ")
     return prompt.format(**fields), before[len(prompt) :] + answer + after.rstrip().format(**fields)
+
+
+# The turns of SmolLM2's chat template (ChatML), in which chat wordings are written. A tokenizer with no chat template
+# keeps them; the shipped adapters and docs/results.md were made from samples written so.
+CHATML_FORMAT = TurnFormat("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\n")
+_CHATML_MARKERS = re.compile(
+    "|".join(map(re.escape, (CHATML_FORMAT.after_message, CHATML_FORMAT.before_message, CHATML_FORMAT.end_of_reply)))
+)
+
+
+def chat_format(tokenizer: PreTrainedTokenizerBase | None) -> TurnFormat:
+    """The turns chat wordings are written in for a model with `tokenizer`: those of its chat template, as `ccm chat`
+    writes them, so that training and chat agree; ChatML where there is no tokenizer, or no template `ccm chat` can
+    use (none, one that does not write a conversation as a sequence of turns, one that refuses user and assistant
+    messages alone): the model is never talked to in turns, and its built-in samples stay as they were."""
+    if tokenizer is None:
+        return CHATML_FORMAT
+    try:
+        return TurnFormat.of(tokenizer)
+    except ValueError:
+        return CHATML_FORMAT
+
+
+def in_chat_format(frame: str, chat: TurnFormat) -> str:
+    """`frame` (a wording's template, its chat turns written in ChatML) with those turns as `chat` writes them.
+
+    A user turn and the reply after it become `before_message + user + after_message + reply + end_of_reply`, as
+    `ChatSession` folds an exchange. A user turn with no reply (a personalization post) ends as the template ends a
+    user turn: with the end of a reply where the turn's end starts so (Llama 3, Gemma), otherwise with the whole
+    `after_message` (Mistral's " [/INST]"). With `CHATML_FORMAT` the frame comes back as it was."""
+    end_of_user_turn = chat.end_of_reply if chat.after_message.startswith(chat.end_of_reply) else chat.after_message
+
+    def written(marker: re.Match[str]) -> str:
+        if marker.group() == CHATML_FORMAT.before_message:
+            text = chat.before_message
+        elif marker.group() == CHATML_FORMAT.after_message:
+            text = chat.after_message
+        else:  # ends the reply, or a user turn where no reply opened after the last user turn
+            before = frame[: marker.start()]
+            replied = before.rfind(CHATML_FORMAT.after_message) > before.rfind(CHATML_FORMAT.before_message)
+            text = chat.end_of_reply if replied else end_of_user_turn
+        return text.replace("{", "{{").replace("}", "}}")  # the frame is filled with str.format afterwards
+
+    return _CHATML_MARKERS.sub(written, frame)
