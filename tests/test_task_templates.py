@@ -11,7 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_chat import GEMMA_TEMPLATE, LLAMA_3_TEMPLATE, MISTRAL_TEMPLATE, _with_template
+from test_chat import (
+    GEMMA_TEMPLATE,
+    LLAMA_2_TEMPLATE,
+    LLAMA_3_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    MISTRAL_V3_TEMPLATE,
+    _with_template,
+)
 from tiny_models import sentencepiece_tokenizer
 from transformers_ccm.cli import _evaluation_sets, _load_samples, main
 from transformers_ccm.embedded import load_tokenizer
@@ -78,15 +85,21 @@ def smollm2():
     return load_tokenizer("default")
 
 
+# Templates written on a SentencePiece tokenizer with their markers (and `<s>`, `</s>`); the others on SmolLM2's.
+_SENTENCEPIECE = {"mistral": MISTRAL_TEMPLATE, "mistral-v3": MISTRAL_V3_TEMPLATE, "llama-2": LLAMA_2_TEMPLATE}
+TEMPLATES = ["llama-3", "gemma", *_SENTENCEPIECE]
+MARKERS = {"llama-3": "<|start_header_id|>user<|end_header_id|>", "gemma": "<start_of_turn>"}
+
+
 @functools.cache
-def _mistral():
-    return sentencepiece_tokenizer(MISTRAL_TEMPLATE)
+def _sentencepiece(name: str):
+    return sentencepiece_tokenizer(_SENTENCEPIECE[name])
 
 
 def _templated(smollm2, name: str):
-    """A real tokenizer with the chat template `name` (Mistral's on a SentencePiece tokenizer with its markers)."""
-    if name == "mistral":
-        return _mistral()
+    """A real tokenizer with the chat template `name`."""
+    if name in _SENTENCEPIECE:
+        return _sentencepiece(name)
     return _with_template(smollm2, {"llama-3": LLAMA_3_TEMPLATE, "gemma": GEMMA_TEMPLATE}[name])
 
 
@@ -145,7 +158,7 @@ def _is_chat(text: str) -> bool:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    template=st.sampled_from(["llama-3", "gemma", "mistral"]),
+    template=st.sampled_from(TEMPLATES),
     task=st.sampled_from(CHAT_FAMILIES),
     wordings=st.sampled_from(["seen", "unseen", "all"]),
     seed=st.integers(0, 10**6),
@@ -156,13 +169,13 @@ def test_chat_wordings_are_written_as_the_models_template_writes_the_conversatio
 ):
     """Each sample differs from SmolLM2's only in its chat turns: where SmolLM2's is ChatML, the other holds none of
     it, and an exchange (a user turn and its reply) is the conversation as the model's template writes it, after its
-    own preamble (the BOS), up to the reply as `ccm chat` folds it."""
+    own preamble (the BOS), up to the reply as `ccm chat` folds it: with the space Llama 2 and Mistral v0.3 write
+    before a reply ("[/INST] Paris"), which the prompt leaves for the model to write."""
     tokenizer = _templated(smollm2, template)
     if wordings == "unseen" and not has_unseen_wordings(task):
         wordings = "all"
     chatml = make_task_samples(task, "test", 8, seed, steps, wordings)
     written = make_task_samples(task, "test", 8, seed, steps, wordings, tokenizer)
-    marker = {"llama-3": "<|start_header_id|>user<|end_header_id|>", "gemma": "<start_of_turn>", "mistral": "[INST]"}
     for before, after in zip(chatml, written, strict=True):
         assert (before.wording, before.items, len(after.sample.contexts)) == (after.wording, after.items, steps)
         texts = [*before.sample.contexts, before.sample.input, before.sample.output, *(before.sample.choices or [])]
@@ -170,7 +183,7 @@ def test_chat_wordings_are_written_as_the_models_template_writes_the_conversatio
             assert after.sample == before.sample
             continue
         whole = "".join(after.sample.contexts) + after.sample.input
-        assert marker[template] in whole and "<|im_start|>" not in whole + after.sample.output
+        assert MARKERS.get(template, "[INST]") in whole and "<|im_start|>" not in whole + after.sample.output
         if before.wording == "personalization/chat":  # posts are user turns with no reply: no conversation to check
             continue
         # The conversation read from SmolLM2's sample: every exchange, the question and the reply (some replies begin
@@ -194,7 +207,7 @@ def test_chat_wordings_are_written_as_the_models_template_writes_the_conversatio
         assert (preamble + whole).startswith(prompted)
 
 
-@pytest.mark.parametrize("template", ["llama-3", "gemma", "mistral"])
+@pytest.mark.parametrize("template", TEMPLATES)
 def test_every_chat_wording_of_every_family_is_written_in_the_template(smollm2, template):
     tokenizer = _templated(smollm2, template)
     for family in CHAT_FAMILIES:

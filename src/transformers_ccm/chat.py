@@ -70,11 +70,14 @@ class TurnFormat:
 
     A user turn is `before_message + message + after_message` (the assistant's reply starts right after);
     a reply ends with `end_of_reply` (its first token after any leading whitespace is where generation stops).
+    In the history the template writes `before_reply` (spaces) before a reply (Llama 2, Mistral v0.3: "[/INST] "
+    + reply): a generated reply begins with it, and a written exchange holds it.
     """
 
     before_message: str
     after_message: str
     end_of_reply: str
+    before_reply: str = ""
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnFormat:
@@ -105,7 +108,9 @@ class TurnFormat:
                 and not (ending and with_turn.endswith(ending))
             )
             if appended:
-                return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply)
+                spacing = pieces[1][len(pieces[3]) :]  # between the first message and its reply, past the prompt
+                before_reply = spacing if pieces[1].startswith(pieces[3]) and not spacing.strip(" ") else ""
+                return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply, before_reply)
         raise ValueError(
             "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
             "be used with compressed memory."

@@ -135,17 +135,19 @@ def chat_format(tokenizer: PreTrainedTokenizerBase | None) -> TurnFormat:
 def in_chat_format(frame: str, chat: TurnFormat) -> str:
     """`frame` (a wording's template, its chat turns written in ChatML) with those turns as `chat` writes them.
 
-    A user turn and the reply after it become `before_message + user + after_message + reply + end_of_reply`, as
-    `ChatSession` folds an exchange. A user turn with no reply (a personalization post) ends as the template ends a
-    user turn: with the end of a reply where the turn's end starts so (Llama 3, Gemma), otherwise with the whole
-    `after_message` (Mistral's " [/INST]"). With `CHATML_FORMAT` the frame comes back as it was."""
+    A user turn and the reply after it become `before_message + user + after_message + before_reply + reply +
+    end_of_reply`, as the template writes an exchange in the history (`at_answer` leaves `before_reply`'s spaces to
+    the output, where the model writes them after the prompt `ChatSession` gives it). A user turn with no reply (a
+    personalization post) ends as the template ends a user turn: with the end of a reply where the turn's end starts
+    so (Llama 3, Gemma), otherwise with the whole `after_message` (Mistral's " [/INST]"). With `CHATML_FORMAT` the
+    frame comes back as it was."""
     end_of_user_turn = chat.end_of_reply if chat.after_message.startswith(chat.end_of_reply) else chat.after_message
 
     def written(marker: re.Match[str]) -> str:
         if marker.group() == CHATML_FORMAT.before_message:
             text = chat.before_message
         elif marker.group() == CHATML_FORMAT.after_message:
-            text = chat.after_message
+            text = chat.after_message + chat.before_reply
         else:  # ends the reply, or a user turn where no reply opened after the last user turn
             before = frame[: marker.start()]
             replied = before.rfind(CHATML_FORMAT.after_message) > before.rfind(CHATML_FORMAT.before_message)
