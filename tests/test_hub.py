@@ -18,7 +18,7 @@ from typing import ClassVar
 import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import RepoUrl
+from huggingface_hub import ModelCard, RepoUrl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftConfig, PeftModel
@@ -469,10 +469,20 @@ class FakeHfApi:
     def create_branch(self, repo_id, branch, exist_ok=False, repo_type=None):
         self.calls.append(("create_branch", repo_id, branch, exist_ok))
 
-    def upload_folder(self, repo_id, folder_path, commit_message=None, repo_type=None, revision=None, create_pr=False):
+    def upload_folder(
+        self,
+        repo_id,
+        folder_path,
+        commit_message=None,
+        commit_description=None,
+        repo_type=None,
+        revision=None,
+        create_pr=False,
+    ):
         files = {p.name: p.stat().st_size for p in Path(folder_path).iterdir()}
         self.calls.append(("upload_folder", repo_id, commit_message, files))
         self.calls.append(("to", revision, create_pr))
+        self.calls.append(("described", commit_description, ModelCard.load(Path(folder_path) / "README.md").data.tags))
         return "commit-info"
 
 
@@ -482,8 +492,9 @@ def test_push_to_hub_uploads_adapter_files_in_one_commit(monkeypatch):
     model = _adapter("acme/tiny-llama")
     result = model.push_to_hub("me/tiny-ccm", private=True, commit_message="first adapter", token="hf_x")
     assert result == "commit-info"
-    (create, upload, to) = FakeHfApi.calls
+    (create, upload, to, described) = FakeHfApi.calls
     assert create == ("create_repo", "me/tiny-ccm", True, True, "hf_x") and to == ("to", None, False)
+    assert described == ("described", None, ["ccm", "context-compression", "peft", "lora", "ccm-concat"])
     assert upload[:3] == ("upload_folder", "me/tiny-ccm", "first adapter")
     assert set(upload[3]) == ADAPTER_FILES
     base_bytes = sum(p.numel() * p.element_size() for p in model.base_model.parameters())
@@ -500,7 +511,7 @@ def test_push_to_hub_goes_to_the_branch_or_pull_request_asked_for(monkeypatch, r
     _adapter("acme/tiny-llama").push_to_hub("me/tiny-ccm", revision=revision, create_pr=create_pr)
     branches = [call[1:] for call in FakeHfApi.calls if call[0] == "create_branch"]
     assert branches == ([("me/tiny-ccm", branch, True)] if branch else [])
-    assert FakeHfApi.calls[-1] == ("to", revision, create_pr)
+    assert ("to", revision, create_pr) in FakeHfApi.calls
 
 
 def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypatch):
@@ -517,7 +528,7 @@ def test_a_name_without_namespace_is_pushed_to_the_repo_the_hub_created(monkeypa
 
     monkeypatch.setattr(FakeHfApi, "upload_folder", upload_folder)
     _adapter("acme/tiny-llama").push_to_hub("tiny-ccm")
-    (create, upload, _) = FakeHfApi.calls
+    (create, upload, *_) = FakeHfApi.calls
     assert create[1] == "tiny-ccm" and upload[1] == "me/tiny-ccm"
     assert _card_load_arguments(uploaded["card"]) == ["me/tiny-ccm"]
 
@@ -545,6 +556,54 @@ def test_a_pushed_adapter_loads_back_whole_and_a_failed_upload_leaves_nothing_be
     target = _adapter(None, seed=9)
     target.load_adapter(tmp_path / "hub-1")
     assert target.memory_signature() == model.memory_signature()
+
+
+@pytest.mark.parametrize("tags", [None, "chat", ["chat", "ccm", "chat"], ("memory",)])
+def test_push_to_hub_takes_the_arguments_of_transformers_and_peft(monkeypatch, tags):
+    """`commit_description`, `tags`, `safe_serialization=True` and `max_shard_size`, as transformers and PEFT users
+    pass them, failed with "unexpected keyword argument": the description goes with the commit, the tags onto the
+    model card beside the adapter's own (once each), and an adapter is one file whatever the shard size."""
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    _adapter("acme/tiny-llama").push_to_hub(
+        "me/tiny-ccm",
+        commit_description="two <COMP> tokens",
+        tags=tags,
+        safe_serialization=True,
+        max_shard_size="1KB",
+    )
+    own = ["ccm", "context-compression", "peft", "lora", "ccm-concat"]
+    given = [tags] if isinstance(tags, str) else list(tags or [])
+    assert FakeHfApi.calls[-1] == (
+        "described",
+        "two <COMP> tokens",
+        own + [t for t in dict.fromkeys(given) if t not in own],
+    )
+    assert set(FakeHfApi.calls[1][3]) == ADAPTER_FILES  # one weights file, however small the shard size
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "refusal"),
+    [
+        ({"safe_serialization": False}, ValueError, r"saved as safetensors only .* push_to_hub without safe_serial"),
+        ({"safe_serialization": "yes"}, ValueError, r"safe_serialization must be True or False, got 'yes'"),
+        ({"create_pr": "no"}, ValueError, r"create_pr must be True or False, got 'no'"),
+        ({"private": "no"}, ValueError, r"private must be True or False, got 'no'"),
+        ({"tags": ["chat", 3]}, TypeError, r"tags must be a string or a list of strings"),
+        ({"tags": [""]}, TypeError, r"tags must be a string or a list of strings"),
+        ({"tags": {"a": 1}}, TypeError, r"tags must be a string or a list of strings"),
+        ({"commit_description": 3}, TypeError, r"commit_description must be a string"),
+        ({"max_shard_size": "big"}, ValueError, r"max_shard_size must be"),
+    ],
+)
+def test_push_to_hub_refuses_arguments_it_cannot_apply_before_any_request(monkeypatch, arguments, error, refusal):
+    """A pickle (`safe_serialization=False`) is never written; a string where a flag is expected ("no") is truthy, and
+    opened a pull request or a private repo that the caller said not to. Each is refused before the repo is made."""
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    with pytest.raises(error, match=refusal):
+        _adapter("acme/tiny-llama").push_to_hub("me/tiny-ccm", **arguments)
+    assert FakeHfApi.calls == []
 
 
 @pytest.mark.parametrize(

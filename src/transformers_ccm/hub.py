@@ -29,6 +29,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors import SafetensorError, deserialize
 from safetensors.torch import load, save_file
+from transformers.utils.hub import convert_file_size_to_int
 
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
@@ -94,11 +95,12 @@ def save_adapter(
     lora_config: LoraConfig,
     tensors: dict[str, torch.Tensor],
     repo_id: str | None = None,
+    tags: tuple[str, ...] = (),
 ) -> None:
     """Write an adapter's files into `save_directory`: `config`, PEFT's `lora_config` (a copy records the base
     model; the given one is left as it is) and `tensors` (PEFT key names without prefix, and
     `COMP_EMBEDDINGS_KEY`). The model card tells to load it by `repo_id` (default: `ccm:<name>` inside the
-    package's adapters folder, else the folder's path)."""
+    package's adapters folder, else the folder's path), and lists `tags` after the adapter's own."""
     folder = Path(checked_path(save_directory, "save_directory", "my-adapter"))
     lora_config = copy.deepcopy(lora_config)
     lora_config.base_model_name_or_path = config.base_model_name_or_path
@@ -110,7 +112,7 @@ def save_adapter(
     if repo_id is None:
         shipped = folder.resolve().parent == SHIPPED_FOLDER.resolve()
         repo_id = SHIPPED_PREFIX + folder.name if shipped else str(folder)
-    card = _model_card(config, repo_id)
+    card = _model_card(config, repo_id, tags)
     # Written aside, then swapped in together (see files.py): a failed save keeps the adapter saved there before,
     # and the folder's other files (training checkpoints, the user's) stay. The manifest goes in first: a process
     # killed during the swap leaves files that disagree with it, which `read_adapter` refuses.
@@ -171,7 +173,7 @@ def _is_digest(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
-def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
+def _model_card(config: CCMConfig, repo_id: str, tags: tuple[str, ...] = ()) -> ModelCard:
     from transformers_ccm import __version__
 
     base = config.base_model_name_or_path
@@ -195,7 +197,7 @@ def _model_card(config: CCMConfig, repo_id: str) -> ModelCard:
     card_data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="transformers-ccm",
-        tags=["ccm", "context-compression", "peft", "lora", f"ccm-{config.update}"],
+        tags=list(dict.fromkeys(("ccm", "context-compression", "peft", "lora", f"ccm-{config.update}", *tags))),
         pipeline_tag="text-generation",
     )
     return ModelCard.from_template(
@@ -596,25 +598,62 @@ def push_adapter(
     token: str | bool | None = None,
     revision: str | None = None,
     create_pr: bool = False,
+    commit_description: str | None = None,
+    tags: str | list[str] | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Any:
     """Create `repo_id` if needed and upload an adapter's files (see `save_adapter`) in one commit, to the branch
     `revision` (created from the default branch if needed; None: the default branch) or, with `create_pr`, as a
     pull request against it. Returns the commit info. A name without a namespace goes where the Hub creates it (the
-    token's user)."""
+    token's user). `tags` (one or a list) go onto the model card; `max_shard_size` is checked as transformers reads it,
+    and changes nothing: an adapter is one file, as PEFT writes it."""
+    # Every argument is checked before the first request: a refusal after it left a repo or branch made for nothing.
     _check_repo_id(repo_id)
+    check_flags(create_pr=create_pr)
+    if private is not None:
+        check_flags(private=private)
+    if commit_description is not None and not isinstance(commit_description, str):
+        raise TypeError(f"commit_description must be a string, got a {type(commit_description).__name__}.")
+    card_tags = _tags(tags)
+    _check_shard_size(max_shard_size)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     if revision is not None and not revision.startswith("refs/pr/"):  # a pull request's ref is no branch to create
         api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
     with tempfile.TemporaryDirectory() as folder:
-        save_adapter(folder, config, lora_config, tensors, repo_id=repo_id)
+        save_adapter(folder, config, lora_config, tensors, repo_id=repo_id, tags=card_tags)
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=folder,
             commit_message=commit_message or f"Upload CCM-{config.update} adapter",
+            commit_description=commit_description,
             repo_type="model",
             revision=revision,
             create_pr=create_pr,
+        )
+
+
+def _tags(tags: object) -> tuple[str, ...]:
+    """`tags` as a tuple: one tag (a string, as transformers takes it), or a list or tuple of them."""
+    listed = (tags,) if isinstance(tags, str) else () if tags is None else tags
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(tag, str) and tag.strip() for tag in listed):
+        raise TypeError(
+            f"tags must be a string or a list of strings that are not empty, such as ['chat'], got {tags!r}."
+        )
+    return tuple(listed)
+
+
+def _check_shard_size(max_shard_size: object) -> None:
+    """Raise unless `max_shard_size` is None or a size transformers reads (a positive int of bytes, or "5GB")."""
+    if max_shard_size is None:
+        return
+    try:
+        valid = not isinstance(max_shard_size, bool) and convert_file_size_to_int(max_shard_size) > 0  # type: ignore[arg-type]
+    except (ValueError, AttributeError):  # AttributeError: neither an int nor a string
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"max_shard_size must be a positive number of bytes or a size such as '5GB', got {max_shard_size!r}."
         )
 
 

@@ -67,12 +67,8 @@ class AdapterHubMixin:
         """Save the adapter (PEFT LoRA, `<COMP>` embeddings, `ccm_config.json`, model card); never the base. As in
         transformers and PEFT, a process other than the main one (`is_main_process=False`) writes nothing; the weights
         are safetensors only (`safe_serialization=False`, a pickle, is refused)."""
-        check_flags(safe_serialization=safe_serialization, is_main_process=is_main_process)
-        if not safe_serialization:
-            raise ValueError(
-                "A CCM adapter is saved as safetensors only (nothing is pickled, so nothing runs when it is loaded); "
-                "call save_pretrained without safe_serialization=False."
-            )
+        check_flags(is_main_process=is_main_process)
+        _check_safetensors_only(safe_serialization, "save_pretrained")
         if not is_main_process:
             return
         with self._adapter_step("save_pretrained()"):
@@ -106,9 +102,16 @@ class AdapterHubMixin:
         token: str | bool | None = None,
         revision: str | None = None,
         create_pr: bool = False,
+        commit_description: str | None = None,
+        tags: str | list[str] | None = None,
+        safe_serialization: bool = True,
+        max_shard_size: int | str | None = None,
     ) -> Any:
         """Upload the adapter files to the Hub repo `repo_id` (created if needed) in one commit, as transformers
-        does: to the branch `revision` (created if needed), or as a pull request with `create_pr`."""
+        does: to the branch `revision` (created if needed), or as a pull request with `create_pr`. `tags` go onto
+        the model card beside the adapter's own. As with a PEFT adapter, `max_shard_size` changes nothing (an
+        adapter is one file); `safe_serialization=False` (a pickle) is refused."""
+        _check_safetensors_only(safe_serialization, "push_to_hub")
         with self._adapter_step("push_to_hub()"):
             self._check_in_place()
             self._check_lora_layers()
@@ -122,6 +125,9 @@ class AdapterHubMixin:
                 token=token,
                 revision=revision,
                 create_pr=create_pr,
+                commit_description=commit_description,
+                tags=tags,
+                max_shard_size=max_shard_size,
             )
 
     @classmethod
@@ -321,6 +327,16 @@ class AdapterHubMixin:
                 for key, value in expected.items():
                     value.copy_(kept[key])
                 raise
+
+
+def _check_safetensors_only(safe_serialization: object, call: str) -> None:
+    """Raise unless `safe_serialization` is True: a CCM adapter is never pickled."""
+    check_flags(safe_serialization=safe_serialization)
+    if not safe_serialization:
+        raise ValueError(
+            "A CCM adapter is saved as safetensors only (nothing is pickled, so nothing runs when it is loaded); "
+            f"call {call} without safe_serialization=False."
+        )
 
 
 def _resized(comp_embeddings: torch.Tensor, count: int) -> torch.Tensor:
