@@ -5,8 +5,9 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tiny_models import (
     InjectedFailure,
@@ -571,3 +572,98 @@ def test_tokens_added_to_the_tokenizer_past_the_models_embeddings_are_refused(to
         chat.turn("hello zzqx")
     assert chat.history_tokens == 0
     chat.turn("hello")
+
+
+@functools.cache
+def _chat_model_for(template: str | None) -> tuple[PreTrainedTokenizerBase, CCMForCausalLM]:
+    """SmolLM2's tokenizer with `template` (None: its own, ChatML) and a tiny model of its vocabulary."""
+    tokenizer = load_tokenizer("default")
+    if template is not None:
+        tokenizer = _with_template(tokenizer, template)
+    return tokenizer, randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="merge")))
+
+
+@functools.cache
+def _model_writing_end_of_text(template: str | None, end_ids: tuple[str, ...], step: int, message: str):
+    """For the template (None: ChatML, SmolLM2's own), a tokenizer, a model whose generation_config ends text at each
+    of `end_ids` (in that order, as its config lists them), and for each conversation a copy of it whose greedy reply
+    to `message` writes `end_ids[0]` at `step` (where it wrote another token, `written`), and a reference whose reply
+    writes the template's own end of turn there instead; None where the reply is shorter, or writes `written`, an end
+    id or the end of turn before. Only the output rows of `written` and the end token are swapped: the earlier steps
+    and every input embedding are the same in the three models."""
+    tokenizer, model = _chat_model_for(template)
+    ends = tokenizer.convert_tokens_to_ids(list(end_ids))
+    models = {}
+    for conversation in (ChatSession, FullContextChat):
+        probe = conversation(model, tokenizer, max_new_tokens=step + 1)
+        prompt = probe.prompt_ids(message)
+        if conversation is ChatSession:
+            generated = probe._reply(prompt, model, probe.cache)[0]
+        else:
+            with model.reading_plain_prompt():
+                generated = probe._reply(prompt, model.base_model, None)[0]
+        stops = {*ends, probe._end_of_turn}
+        if len(generated) <= step or generated[step] in stops or stops & set(generated[:step]):
+            return None
+        written = generated[step]
+        if written in generated[:step]:
+            return None
+        pair = []
+        for swapped in (ends[0], probe._end_of_turn):
+            changed = copy.deepcopy(model)
+            with torch.no_grad():
+                rows = changed.base_model.lm_head.weight
+                rows[[written, swapped]] = rows[[swapped, written]].clone()
+            changed.generation_config.eos_token_id = ends if swapped == ends[0] else probe._end_of_turn
+            pair.append(changed)
+        models[conversation] = pair
+    return tokenizer, models
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    case=st.sampled_from(
+        [
+            (None, ("<|endoftext|>", "<|im_end|>")),  # Qwen2.5-Instruct's generation_config: ChatML, two end ids
+            (LLAMA_3_TEMPLATE, ("<|endoftext|>", "<|eot_id|>")),  # Llama 3's <|end_of_text|> and <|eot_id|>
+            (PHI_3_TEMPLATE, ("<|endoftext|>", "<|assistant|>", "<|end|>")),  # Phi-3's three
+        ]
+    ),
+    step=st.integers(0, 4),
+    message=st.sampled_from(["Hi! I'm Maria.", "What is my name?", "a b c"]),
+    conversation=st.sampled_from([ChatSession, FullContextChat]),
+)
+def test_a_reply_stops_at_any_of_the_models_end_ids_and_is_closed_as_the_template_closes_it(
+    case, step, message, conversation
+):
+    """A reply stopped only at the template's end of turn, and the model's other end ids (generation_config's list:
+    Qwen2.5's <|endoftext|> beside <|im_end|>, Llama 3's <|end_of_text|> beside <|eot_id|>) were written into it and
+    decoding ran on past them to max_new_tokens, all of it folded into memory. The reply now ends there, and the turn
+    is folded (or kept in the history) closed as the template closes it, as if the model had written the end of turn
+    itself."""
+    template, end_ids = case
+    built = _model_writing_end_of_text(template, end_ids, step, message)
+    assume(built is not None)
+    tokenizer, models = built
+    tested, reference = (conversation(model, tokenizer, max_new_tokens=step + 4) for model in models[conversation])
+    for text in (message, "And then?"):  # the turn after the folded one reads it
+        replies = tested.turn(text), reference.turn(text)
+        if conversation is ChatSession:
+            replies = tuple(report.reply for report in replies)
+            assert tested.history_tokens == reference.history_tokens
+            for kept, expected in zip(tested.cache.layers, reference.cache.layers, strict=True):
+                assert torch.equal(kept.keys, expected.keys) and torch.equal(kept.values, expected.values)
+        else:
+            assert tested.history == reference.history
+        assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_end_ids_the_model_cannot_write_change_no_reply(tokenizer, chat_model, conversation):
+    """A generation_config whose end ids name no token of the model (past its vocabulary, negative) gives the replies
+    of one that lists the template's end of turn alone."""
+    listing = copy.deepcopy(chat_model)
+    listing.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), 10**9, -1]
+    plain, tried = (conversation(model, tokenizer, max_new_tokens=4) for model in (chat_model, listing))
+    for message in ("Hi! I'm Maria.", "What is my name?"):
+        assert tried.turn(message) == plain.turn(message)

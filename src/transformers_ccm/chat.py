@@ -9,7 +9,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache, GenerationMixin
+from transformers import Cache, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
@@ -130,7 +130,7 @@ class TurnReport:
 
 class _Conversation:
     """What every conversation shares: the chat template's turn format and a greedy reply that stops where the
-    template ends a reply."""
+    template ends a reply, or where the model writes any of its own end ids (then closed as the template closes it)."""
 
     def __init__(self, model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> None:
         # Checked here, not by generate() at the first turn, after the user has typed a message.
@@ -247,6 +247,7 @@ class _Conversation:
             token_healing=False,
             eos_token_id=self._end_of_turn,
             pad_token_id=self._end_of_turn,
+            logits_processor=self._ending_at_model_ends(),
             # What the generation_config may ask for and a turn must then supply: the ids alone, a tokenizer to
             # find its stop strings with.
             return_dict_in_generate=False,
@@ -257,8 +258,34 @@ class _Conversation:
             return generated, generated[: generated.index(self._end_of_turn)], self._after_reply
         return generated, generated, [self._end_of_turn, *self._after_reply]
 
+    def _ending_at_model_ends(self) -> LogitsProcessorList:
+        """Where the model ends its text with another of its end ids (generation_config's list: Llama 3's
+        `<|end_of_text|>` beside `<|eot_id|>`, Qwen2.5's `<|endoftext|>` beside `<|im_end|>`), the template's end of
+        turn in its place: the reply stops there, and the turn is closed as the template closes it (with the end id
+        itself, the memory would hold a closing the template never writes)."""
+        ends = self.model.generation_config.eos_token_id
+        ends = [ends] if isinstance(ends, int) else list(ends or [])
+        # Ids past the vocabulary are none the model can write (and would fail the indexing).
+        others = [end for end in ends if end != self._end_of_turn and 0 <= end < self.model.vocabulary_size]
+        return LogitsProcessorList([_EndsAsEndOfTurn(self._end_of_turn, others)] if others else [])
+
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+class _EndsAsEndOfTurn(LogitsProcessor):
+    """Gives `end_of_turn` the highest score of itself and `others` (end ids), and the others none: a greedy step
+    that would write any of them writes `end_of_turn`, and every other step is unchanged."""
+
+    def __init__(self, end_of_turn: int, others: list[int]) -> None:
+        self.end_of_turn, self.others = end_of_turn, others
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """`scores` `(batch, vocabulary)`, the next token's, changed as above (a copy)."""
+        scores = scores.clone()
+        scores[:, self.end_of_turn] = scores[:, [self.end_of_turn, *self.others]].amax(dim=-1)
+        scores[:, self.others] = -float("inf")
+        return scores
 
 
 class ChatSession(_Conversation):
