@@ -19,7 +19,8 @@ from tiny_models import (
     wordpiece_tokenizer,
 )
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
-from transformers_ccm.chat import ChatSession, FullContextChat, TurnFormat
+from transformers_ccm.chat import ChatSession, FullContextChat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import kv_bytes_per_token
 

@@ -13,12 +13,12 @@ from transformers import Cache, GenerationMixin, LogitsProcessor, LogitsProcesso
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.cache import CompressedMemoryCache
+from transformers_ccm.chat_template import SENTINEL, TurnFormat, apply_template, render_turns
 from transformers_ccm.data import check_position_limit, token_ids
 from transformers_ccm.evaluation import kv_bytes_per_token
 from transformers_ccm.modeling import CACHE_ARGUMENT, CCMForCausalLM
 from transformers_ccm.validation import positive_int
 
-_SENTINEL = "CCM-MESSAGE-SENTINEL"
 # The copies of each tokenizer that conversations encode with (see `_encoding_tokenizer`), by `split_special_tokens`.
 _ENCODING_TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[bool, PreTrainedTokenizerBase]] = (
     weakref.WeakKeyDictionary()
@@ -40,81 +40,6 @@ def _encoding_tokenizer(tokenizer: PreTrainedTokenizerBase, split_special_tokens
         if encoding is None or len(encoding) != len(tokenizer):
             encoding = copies[split_special_tokens] = copy.deepcopy(tokenizer)
         return encoding
-
-
-def _apply_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    """`messages` as `tokenizer`'s chat template writes them. A template's own refusal (`raise_exception`: a template
-    that needs a system message, say) is a ValueError: jinja's TemplateError ended `ccm chat` with a traceback."""
-    from jinja2 import TemplateError
-
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as error:
-        roles = ", ".join(message["role"] for message in messages)
-        raise ValueError(
-            f"The tokenizer's chat template refused a conversation of the roles {roles} ({error}); chat needs a "
-            "template that writes user and assistant messages alone."
-        ) from None
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, roles: str, generation_prompt: bool) -> str:
-    """The conversation of one message per role in `roles` ("u": user, "a": assistant), each the sentinel, as
-    `tokenizer`'s chat template writes it."""
-    messages = [{"role": "user" if role == "u" else "assistant", "content": _SENTINEL} for role in roles]
-    return _apply_template(tokenizer, messages, generation_prompt)
-
-
-@dataclass(frozen=True)
-class TurnFormat:
-    """How the tokenizer's chat template writes one exchange, without any system prompt it may add.
-
-    A user turn is `before_message + message + after_message` (the assistant's reply starts right after);
-    a reply ends with `end_of_reply` (its first token after any leading whitespace is where generation stops).
-    In the history the template writes `before_reply` (spaces) before a reply (Llama 2, Mistral v0.3: "[/INST] "
-    + reply): a generated reply begins with it, and a written exchange holds it.
-    """
-
-    before_message: str
-    after_message: str
-    end_of_reply: str
-    before_reply: str = ""
-
-    @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TurnFormat:
-        """Read the format from `tokenizer.apply_chat_template`: how it writes an exchange once the next message
-        follows (Qwen3 writes the last reply otherwise, with an empty thinking block), and how it ends a reply."""
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"{type(tokenizer).__name__} has no chat template; chat needs an instruction-tuned model's "
-                "tokenizer (or set tokenizer.chat_template)."
-            )
-
-        with_turn = _render(tokenizer, "uau", True)
-        pieces = with_turn.split(_SENTINEL)  # system prompt and before, after, end of reply and before, after
-        written = [_render(tokenizer, roles, False) for roles in ("ua", "uau", "uaua")]
-        # Some templates end a conversation without a generation prompt with a special token no turn holds (Phi-3:
-        # the end of text); it is left out of each.
-        endings = [ending for ending in tokenizer.all_special_tokens if all(text.endswith(ending) for text in written)]
-        for ending in ["", *endings]:
-            exchange, history, longer = (text[: len(text) - len(ending)] for text in written)
-            end_of_reply = exchange.split(_SENTINEL)[-1]
-            # A turn is only ever appended: refused where the template writes the messages before otherwise once a
-            # reply or a generation prompt follows (an end of text after the whole conversation, say).
-            appended = (
-                len(pieces) == 4
-                and pieces[2].startswith(end_of_reply)
-                and with_turn.startswith(history)
-                and longer.startswith(history)
-                and not (ending and with_turn.endswith(ending))
-            )
-            if appended:
-                spacing = pieces[1][len(pieces[3]) :]  # between the first message and its reply, past the prompt
-                before_reply = spacing if pieces[1].startswith(pieces[3]) and not spacing.strip(" ") else ""
-                return cls(pieces[2][len(end_of_reply) :], pieces[3], end_of_reply, before_reply)
-        raise ValueError(
-            "The tokenizer's chat template does not write a conversation as a sequence of turns; it cannot "
-            "be used with compressed memory."
-        )
 
 
 @dataclass
@@ -149,7 +74,7 @@ class _Conversation:
             raise ValueError("The tokenizer's chat template ends a reply with no token; generation could not stop.")
         self._end_of_turn, self._after_reply = end_of_reply[0], end_of_reply[1:]
         # The template's first turn around a message: how it writes one (Llama 3, Gemma: trimmed) is read from it.
-        first_turn = _render(tokenizer, "u", True).split(_SENTINEL)
+        first_turn = render_turns(tokenizer, "u", True).split(SENTINEL)
         self._first_turn = (first_turn[0], first_turn[-1])
         # The special tokens a template's frame holds: read as such, where a message's strings of them are text.
         self._specials = {token.content: token for token in tokenizer.added_tokens_decoder.values() if token.special}
@@ -198,7 +123,7 @@ class _Conversation:
     def _as_written(self, message: str) -> str:
         """`message` as the chat template writes it in a user turn (Llama 3 and Gemma trim it, Llama 2 strips it)."""
         prefix, suffix = self._first_turn
-        written = _apply_template(self.tokenizer, [{"role": "user", "content": message}], True)
+        written = apply_template(self.tokenizer, [{"role": "user", "content": message}], True)
         if written.startswith(prefix) and written.endswith(suffix) and len(written) >= len(prefix) + len(suffix):
             return written[len(prefix) : len(written) - len(suffix)]
         return message  # a template that writes the turn around this message otherwise: the message as typed

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.text import long_text
 from transformers_ccm.tasks.vocabulary import Split, words

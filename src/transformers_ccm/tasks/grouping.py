@@ -15,7 +15,7 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split, words
 from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, at_answer, in_chat_format

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split, words
 from transformers_ccm.tasks.wordings import CHATML_FORMAT, Built, at_answer, field_name, in_chat_format

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.dialogue import CHATML, DialogueWording
 from transformers_ccm.tasks.facts import CLOSERS, FACTS, OPENERS, SMALL_TALK, fill

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.facts import FACTS, SMALL_TALK, draw_facts, fill
 from transformers_ccm.tasks.vocabulary import Split, words

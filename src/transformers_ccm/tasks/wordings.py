@@ -16,7 +16,7 @@ from typing import Literal, Protocol, TypeVar
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from transformers_ccm.chat import TurnFormat
+from transformers_ccm.chat_template import TurnFormat
 from transformers_ccm.data import OnlineSample
 from transformers_ccm.tasks.vocabulary import Split
 
