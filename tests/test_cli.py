@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest.mock import patch
@@ -599,23 +600,36 @@ def test_eval_adds_an_adapter_to_an_earlier_report(tiny_model, adapter, tmp_path
     assert not (tmp_path / "x").exists()
 
 
-def _report_rows(**changes: object) -> list[dict]:
+def _report_rows(
+    methods: Sequence[str] = ("no_context", "full_context", "ccm-concat"), **changes: object
+) -> list[dict]:
     """Rows of a one-sample-set `ccm eval` report (icl, seen, t=2, 3 samples), with `changes` in every row."""
-    row = dict(task="icl", wordings="seen", steps=2, samples=3, metric="accuracy", value=0.5, low=0.1, high=0.9)
+    row = dict(task="icl", wordings="seen", steps=2, samples=3, metric="accuracy", value=1.0, low=0.4, high=1.0)
     row |= dict(context_kv_tokens=40.0, peak_kv_tokens=60, peak_kv_bytes=600, per_sample=[[1.0, 1]] * 3)
-    return [{**row, "method": method, **changes} for method in ("no_context", "full_context", "ccm-concat")]
+    return [{**row, "method": method, **changes} for method in methods]
 
 
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
         ({"samples": 50}, "samples is 50 but it holds 3 per-sample values"),
-        ({"samples": -1}, "must be integers >= 1"),
-        ({"steps": 0}, "must be integers >= 1"),
+        ({"samples": -1}, "['samples'] must each be an integer >= 1"),
+        ({"steps": 0}, "['steps'] must each be an integer >= 1"),
         ({"steps": 400}, "400 contexts per sample, 40.0 full-context tokens"),
         ({"context_kv_tokens": 0}, "ZeroDivisionError"),
         ({"context_kv_tokens": 70.0}, "2 contexts per sample, 70.0 full-context tokens, of at most 60"),
-        ({"peak_kv_tokens": 1.5}, "of at most 1.5"),
+        ({"peak_kv_tokens": 1.5}, "['peak_kv_tokens'] must each be an integer >= 1"),
+        # Each field of each row, of its type and in its range: a NaN or a value edited by hand was joined with the
+        # new scores, and a row's value of another kind failed only in the table, once every adapter had run.
+        ({"value": float("nan")}, "['value'] must each be a finite number"),
+        ({"value": 0.5}, "value 0.5 is not that of its per_sample, 1.0"),
+        ({"low": None, "steps": "2"}, "['steps'] must each be an integer >= 1; ['low'] must each be a finite"),
+        ({"per_sample": [[1.0, 1, 0]] * 3}, "per_sample must hold pairs of (credit in [0, 1], 1)"),
+        ({"per_sample": [[2.0, 1]] * 3}, "per_sample must hold pairs of (credit in [0, 1], 1)"),
+        ({"metric": "recall"}, "metric 'recall' or wordings 'seen' is none of ('accuracy', 'perplexity', 'seen',"),
+        ({"wordings": "heard"}, "metric 'accuracy' or wordings 'heard' is none of"),
+        ({"peak_kv_bytes": None, "method": None}, "['method'] must each be a non-empty string; ['peak_kv_bytes']"),
+        ({"wordings": "seen", "high": "1.0"}, "['high'] must each be a finite number"),
     ],
 )
 def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, capsys, changes, problem):
@@ -628,6 +642,29 @@ def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, c
         main([*arguments, "--add-to", str(tmp_path / "report")])
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
+
+
+@pytest.mark.parametrize(
+    ("rows", "problem"),
+    [
+        # A set without its CCM row, or its baselines, raised StopIteration or KeyError as a traceback.
+        (_report_rows(["no_context", "full_context"]), "holds the methods ['full_context', 'no_context']; a summary"),
+        (_report_rows(["full_context", "ccm-concat"]), "holds the methods ['ccm-concat', 'full_context']; a summary"),
+        # A row below the largest time step, which the summary does not read, failed only in the table.
+        ([*_report_rows(steps=1, peak_kv_bytes="600"), *_report_rows()], "result 0 ('icl', 'no_context'): ['peak_kv"),
+        ([*_report_rows()[:2], {"method": "ccm-concat"}], "result 2 (None, 'ccm-concat') has no ['task', 'wordings'"),
+        ({"a": _report_rows()}, "its results are a dict, not a list of rows"),
+    ],
+)
+def test_eval_add_to_refuses_a_report_missing_rows_or_fields_before_the_model_loads(tmp_path, capsys, rows, problem):
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
+    arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--add-to", str(tmp_path / "report")])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
+    assert "score anew without --add-to" in error and not (tmp_path / "out").exists()
 
 
 def test_a_report_written_into_its_own_add_to_folder_survives_a_failed_write(

@@ -24,6 +24,7 @@ from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
     BOOTSTRAP_RESAMPLES,
     FINETUNED,
+    MethodScore,
     _resamples,
     difference_interval,
     difference_text,
@@ -649,3 +650,47 @@ def test_a_pad_token_the_model_cannot_embed_scores_as_any_other(ccm, tokenizer):
             for padded in (added, none)
         ]
         assert scores[0] == scores[1]
+
+
+@settings(max_examples=15)
+@given(
+    metric=st.sampled_from(["accuracy", "perplexity"]),
+    scores=st.lists(
+        st.tuples(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0, 50), st.integers(1, 40)), min_size=1, max_size=8
+    ),
+    field=st.sampled_from(["task", "method", "metric", "value", "high", "samples", "peak_kv_tokens", "per_sample"]),
+    damage=st.sampled_from([None, "missing", float("nan"), [[1.0]], True]),
+)
+def test_a_report_reads_back_as_written_and_refuses_any_damaged_field(metric, scores, field, damage):
+    """Every report `report_json` writes is summarized again when read back (as `ccm eval --add-to` reads it), its
+    values those of its per-sample scores after the trip through JSON; a field removed, or replaced by a value of
+    another kind, is refused naming the row, where the table failed once every adapter had run."""
+    per_sample = [(credit, 1) if metric == "accuracy" else (nll, tokens) for credit, nll, tokens in scores]
+    total = sum(value for value, _ in per_sample) / sum(count for _, count in per_sample)
+    low, high = value_interval(per_sample, metric)
+    rows = [
+        MethodScore(
+            method,
+            2,
+            metric,
+            total if metric == "accuracy" else math.exp(total),
+            low,
+            high,
+            9.0,
+            40,
+            400,
+            len(per_sample),
+            per_sample,
+        ).to_dict()
+        | {"task": "icl", "wordings": "seen", "method": method}
+        for method in ("no_context", "full_context", "ccm-concat")
+    ]
+    written = json.loads(report_json(rows, summarize(rows)))
+    read_back = written["results"]
+    assert json.loads(report_json(read_back, summarize(read_back))) == written
+    if damage == "missing":
+        del read_back[2][field]
+    else:
+        read_back[2][field] = damage
+    with pytest.raises(ValueError, match=r"^result 2 \("):
+        summarize(read_back)

@@ -17,7 +17,6 @@ from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 from transformers_ccm.extras import figure
 from transformers_ccm.files import made_folder, replace_files
-from transformers_ccm.validation import positive_int
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -405,13 +404,18 @@ def _earlier_report(folder: str) -> tuple[list[dict], list[Drawn]]:
         raise ValueError(f"--add-to {folder}: no eval.json there; give the --output-dir of an earlier ccm eval.")
     try:
         rows = parse_json(path.read_bytes(), str(path), "score anew without --add-to.")["results"]
-        summarize(rows)  # reads every field the joint report needs
+        if not isinstance(rows, list):  # a dict's rows were its keys
+            raise TypeError(f"its results are a {type(rows).__name__}, not a list of rows")
+        summarize(rows)  # checks every field the joint report reads, in every row
         held = {(r["task"], r["wordings"], r["steps"]): r for r in rows if r["method"] == "full_context"}
         drawn = [
             _drawn(r, held.get((r["task"], r["wordings"], r["steps"]))) for r in rows if r["method"] == "no_context"
         ]
     except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as error:
-        raise ValueError(f"--add-to {folder}: {path} is not a ccm eval report ({error!r}).") from None
+        raise ValueError(
+            f"--add-to {folder}: {path} is not a ccm eval report ({error!r}); give the --output-dir of an earlier ccm "
+            "eval, or score anew without --add-to."
+        ) from None
     if not drawn:
         raise ValueError(f"--add-to {folder}: {path} holds no scored samples; run ccm eval without --add-to.")
     return rows, drawn
@@ -447,15 +451,11 @@ def _drawn(row: dict, full_context: dict | None) -> Drawn:
     1 and at most the context tokens per sample (every context has one), themselves at most the full-context peak (a
     prompt holds its contexts), so that a damaged report cannot have samples drawn by the billion, or with a million
     contexts each; `_draw_again` holds that peak to the model's positions."""
-    steps, count, values = row["steps"], row["samples"], row["per_sample"]
-    if not (positive_int(steps) and positive_int(count)):
-        raise ValueError(f"{row['task']} row: steps {steps!r} and samples {count!r} must be integers >= 1")
-    if not isinstance(values, list) or count != len(values):
-        raise ValueError(f"{row['task']} row: samples is {count} but it holds {len(values)} per-sample values")
+    steps, count = row["steps"], row["samples"]  # integers >= 1, the count of its per-sample values (`summarize`)
     if full_context is None:
         raise ValueError(f"{row['task']} row: its samples have no full-context row")
     context_tokens, peak = full_context["context_kv_tokens"], full_context["peak_kv_tokens"]
-    if not (positive_int(peak) and steps <= context_tokens <= peak):
+    if not steps <= context_tokens <= peak:
         raise ValueError(
             f"{row['task']} row: {steps} contexts per sample, {context_tokens} full-context tokens, of at most {peak}"
         )

@@ -29,7 +29,7 @@ from transformers_ccm.data import (
 )
 from transformers_ccm.extras import figure
 from transformers_ccm.modeling import CCMForCausalLM
-from transformers_ccm.validation import positive_int
+from transformers_ccm.validation import finite_number, positive_int
 
 METHODS = ("no_context", "full_context", "ccm")
 METRICS = ("accuracy", "perplexity")
@@ -387,6 +387,60 @@ def _gain(no_context: Row, full_context: Row, ccm: Row) -> Row:
     return {"value": value, "interval": list(interval)}
 
 
+def _check_row(row: object, number: int) -> None:
+    """Raise unless `row`, result `number` (from 0), holds every field `markdown` and `plot` read, of its type and in
+    its range, its value that of its per-sample scores: a report edited or damaged by hand (a NaN, a count past its
+    samples, a value of another run) was joined with new scores and failed only in the table, once every adapter
+    had run, or was carried into it."""
+    if not isinstance(row, dict):
+        raise ValueError(f"result {number} is a {type(row).__name__}, not an object")
+    where = f"result {number} ({row.get('task')!r}, {row.get('method')!r})"
+    text = ("task", "wordings", "method")
+    missing = [key for key in (*text, "metric", *MethodScore.__dataclass_fields__) if key not in row]
+    if missing:
+        raise ValueError(f"{where} has no {missing}")
+    wrong = {
+        "a non-empty string": [key for key in text if not (isinstance(row[key], str) and row[key])],
+        "an integer >= 1": [
+            key for key in ("steps", "samples", "peak_kv_tokens", "peak_kv_bytes") if not positive_int(row[key])
+        ],
+        "a finite number": [
+            key for key in ("value", "low", "high", "context_kv_tokens") if not finite_number(row[key])
+        ],
+    }
+    if any(wrong.values()):
+        raise ValueError(
+            f"{where}: " + "; ".join(f"{keys} must each be {kind}" for kind, keys in wrong.items() if keys)
+        )
+    metric, values = row["metric"], row["per_sample"]
+    if metric not in METRICS or row["wordings"] not in WORDING_ORDER:
+        raise ValueError(
+            f"{where}: metric {metric!r} or wordings {row['wordings']!r} is none of {METRICS + WORDING_ORDER}"
+        )
+    if not isinstance(values, list) or len(values) != row["samples"]:
+        count = len(values) if isinstance(values, list) else f"a {type(values).__name__} of"
+        raise ValueError(f"{where}: samples is {row['samples']} but it holds {count} per-sample values")
+    # (credit, 1) per sample for accuracy, (output NLL, output tokens) for perplexity, as `MethodScore` holds them
+    if not all(
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and finite_number(pair[0])
+        and positive_int(pair[1])
+        and (0 <= pair[0] <= 1 and pair[1] == 1 if metric == "accuracy" else pair[0] >= 0)
+        for pair in values
+    ):
+        raise ValueError(
+            f"{where}: per_sample must hold pairs of "
+            + ("(credit in [0, 1], 1)" if metric == "accuracy" else "(output NLL >= 0, output tokens >= 1)")
+        )
+    score = _log_score(values, metric).item()
+    value = score if metric == "accuracy" else math.exp(-score)
+    if not math.isclose(row["value"], value, rel_tol=1e-9):
+        raise ValueError(f"{where}: value {row['value']!r} is not that of its per_sample, {value!r}")
+    if not (row["low"] <= row["high"] and row["context_kv_tokens"] >= 0):
+        raise ValueError(f"{where}: low {row['low']!r} is above high {row['high']!r}, or context_kv_tokens is below 0")
+
+
 def _check_paired(results: Sequence[Row]) -> None:
     """Raise unless the rows of each task, wording set and time step score one method each, on the same samples
     (count, metric and, where rows carry one, samples digest): gains and paired differences pair them sample by
@@ -415,6 +469,8 @@ def summarize(results: Sequence[Row]) -> list[Row]:
     intervals, the gain recovered against the base model with full context and, when scored, against the
     fine-tuned full-context adapter, the KV memory ratio and, for every CCM method after the first one scored,
     its paired difference from that first one (`versus_first`)."""
+    for number, row in enumerate(results):
+        _check_row(row, number)
     _check_paired(results)
     rows: list[Row] = []
     groups = sorted(
@@ -424,8 +480,14 @@ def summarize(results: Sequence[Row]) -> list[Row]:
         group = [r for r in results if r["task"] == task and r["wordings"] == wordings]
         steps = max(int(r["steps"]) for r in group)
         at = {str(r["method"]): r for r in group if r["steps"] == steps}
+        # A set without its baselines or a CCM method (rows left out of a report) raised KeyError or StopIteration.
+        first = next((result for method, result in at.items() if method.startswith("ccm")), None)
+        if "no_context" not in at or "full_context" not in at or first is None:
+            raise ValueError(
+                f"{task} ({wordings}, t={steps}) holds the methods {sorted(at)}; a summary compares a CCM method with "
+                "no_context and full_context on the same samples: keep all three rows."
+            )
         no, full, tuned = at["no_context"], at["full_context"], at.get(FINETUNED)
-        first = next(result for method, result in at.items() if method.startswith("ccm"))
         for method, result in sorted(at.items()):
             if not method.startswith("ccm"):
                 continue
