@@ -734,6 +734,34 @@ def test_eval_add_to_refuses_full_contexts_past_the_models_positions_before_draw
     assert "past the 2048 positions of the base model" in error and not (tmp_path / "out").exists()
 
 
+def test_eval_add_to_refuses_sample_sets_ccm_eval_never_scores_before_scoring(tiny_model, adapter, tmp_path, capsys):
+    """A set of a report edited by hand that ccm eval never draws (a built-in task's samples as a file's own, a task
+    scored by another metric, a task that is none) was left out of the new adapter's scores without a word, or scored
+    by another metric than its baselines once every other set had run."""
+    samples = tmp_path / "own.jsonl"
+    samples.write_text(json.dumps({"contexts": ["a"], "input": "b", "output": "c"}) + "\n")
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
+    for changes, problem in (
+        ({"wordings": "own"}, "icl (own, t=2, accuracy) is not a sample set ccm eval scores (icl at t=2: seen by"),
+        (
+            {"task": "dialogue"},
+            "dialogue (seen, t=2, accuracy) is not a sample set ccm eval scores (dialogue at t=2: seen by perplexity",
+        ),
+        (
+            {"task": str(samples)},
+            f"{samples} (seen, t=2, accuracy) cannot be drawn again ({samples} has no sample with [2]",
+        ),
+        ({"task": "nonsense"}, "nonsense (seen, t=2, accuracy) cannot be drawn again (--tasks takes built-in tasks"),
+    ):
+        (tmp_path / "report").mkdir(exist_ok=True)
+        (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": _report_rows(**changes)}))
+        with pytest.raises(SystemExit) as exit_info:
+            main([*arguments, "--add-to", str(tmp_path / "report")])
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and problem in error and "score every adapter anew without --add-to" in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_eval_add_to_refuses_a_report_whose_rows_hold_other_samples(tmp_path, capsys):
     """A report joined by hand from two runs (its adapter's row of other samples): the new adapter was paired with
     rows it shares no sample with."""

@@ -387,8 +387,8 @@ def _evaluation_sets(
     ]
 
 
-# (task, wording set, time step, count, longest full-context prompt in tokens) of a report's sample set
-Drawn = tuple[str, str, int, int, int]
+# (task, wording set, time step, count, longest full-context prompt in tokens, metric) of a report's sample set
+Drawn = tuple[str, str, int, int, int, str]
 
 
 def _earlier_report(folder: str) -> tuple[list[dict], list[Drawn]]:
@@ -431,7 +431,7 @@ def _draw_again(
     config = model.base_model.config.get_text_config(decoder=True)
     limit = model.absolute_position_limit or getattr(config, "max_position_embeddings", None)
     # ccm eval ran each full-context prompt whole through the base, at positions 0 .. its length - 1
-    for task, wordings, steps, _, peak in drawn:
+    for task, wordings, steps, _, peak, _ in drawn:
         if limit is not None and peak > limit:
             raise ValueError(
                 f"--add-to {folder}: {task} ({wordings}, t={steps}) held full contexts of {peak} tokens, past the "
@@ -439,14 +439,30 @@ def _draw_again(
                 "score every adapter anew without --add-to."
             )
     sample_sets = []
-    for task, wordings, steps, count, _ in drawn:
+    for task, wordings, steps, count, _, metric in drawn:
+        where = f"--add-to {folder}: {task} ({wordings}, t={steps}, {metric})"
         again = argparse.Namespace(samples=count, seed=seed, steps=[steps])
-        sample_sets += [(task, *found) for found in _evaluation_sets(task, again, tokenizer) if found[0] == wordings]
+        try:
+            drawable = _evaluation_sets(task, again, tokenizer)
+        except ValueError as error:  # a task that is no more (a file moved), or never was
+            raise ValueError(
+                f"{where} cannot be drawn again ({error}); score every adapter anew without --add-to."
+            ) from None
+        found = [(task, *sample_set) for sample_set in drawable if sample_set[0] == wordings]
+        # A set ccm eval never draws (a file's samples as "seen", unseen wordings of a task without any, another
+        # metric) was left unscored, or scored by another metric than its baselines, without a word.
+        if [sample_set[4] for sample_set in found] != [metric]:
+            scored = ", ".join(f"{sample_set[0]} by {sample_set[3]}" for sample_set in drawable)
+            raise ValueError(
+                f"{where} is not a sample set ccm eval scores ({task} at t={steps}: {scored}); score every adapter "
+                "anew without --add-to."
+            )
+        sample_sets += found
     return sample_sets
 
 
 def _drawn(row: dict, full_context: dict | None) -> Drawn:
-    """(task, wording set, time step, count, full-context peak) of a report's no-context row, whose sample set's
+    """(task, wording set, time step, count, full-context peak, metric) of a report's no-context row, whose sample set's
     full-context row is `full_context`. The count must be that of its per-sample values, and the time step at least
     1 and at most the context tokens per sample (every context has one), themselves at most the full-context peak (a
     prompt holds its contexts), so that a damaged report cannot have samples drawn by the billion, or with a million
@@ -459,7 +475,7 @@ def _drawn(row: dict, full_context: dict | None) -> Drawn:
         raise ValueError(
             f"{row['task']} row: {steps} contexts per sample, {context_tokens} full-context tokens, of at most {peak}"
         )
-    return row["task"], row["wordings"], steps, count, peak
+    return row["task"], row["wordings"], steps, count, peak, row["metric"]
 
 
 def _samples_digest(samples: list[OnlineSample]) -> str:
