@@ -537,6 +537,23 @@ def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adap
         assert exit_info.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
+def test_eval_checks_every_sample_set_before_scoring_any(tiny_model, adapter, tmp_path, capsys):
+    """A sample the model cannot take in a later set (a token id past the vocabulary) failed once the sets before it
+    had been scored, named by its place in its set alone, not by its file."""
+    own = tmp_path / "own.jsonl"
+    rows = [(["a b"], "x"), (["a", "b"], "x"), (["a", [10**9]], "y")]
+    own.write_text("".join(json.dumps({"contexts": c, "input": "q", "output": o}) + "\n" for c, o in rows))
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--tasks", "icl", str(own), "--steps", "1", "2", "--samples", "2"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "" and not (tmp_path / "out").exists()
+    assert (
+        f"{own} (own, t=2, samples[i] its i-th sample with 2 contexts, from 0): samples[1].contexts[1] holds the "
+        "token id 1000000000, outside the model's vocabulary" in captured.err
+    )
+
+
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path, capsys):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))

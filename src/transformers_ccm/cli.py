@@ -533,6 +533,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from transformers_ccm.evaluation import (
         FINETUNED,
+        check_samples,
         difference_text,
         gain_text,
         markdown,
@@ -612,6 +613,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
         sample_sets = [
             (task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args, tokenizer)
         ]
+    # Every set before any is scored: a sample the model cannot take (a token id past its vocabulary, a prompt past its
+    # positions) failed once the sets before it had been scored, named by its place in its set alone.
+    for task, wordings, steps, samples, metric in sample_sets:
+        try:
+            check_samples(reference, tokenizer, samples, "full_context", metric)  # the longest prompts of all methods
+        except ValueError as error:
+            place = f", samples[i] its i-th sample with {steps} contexts, from 0" if wordings == "own" else ""
+            raise ValueError(f"{task} ({wordings}, t={steps}{place}): {error}") from None
     baselines = (
         [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
     )

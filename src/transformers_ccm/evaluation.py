@@ -143,37 +143,19 @@ def _target_log_probs(
     ]
 
 
-@torch.no_grad()
-def score_samples(
+def check_samples(
     model: CCMForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
     samples: Sequence[OnlineSample],
     method: str,
     metric: str,
-    batch_size: int = 16,
-) -> MethodScore:
-    """Score `samples` (all with the same number of contexts) with one method.
-
-    `"no_context"` and `"full_context"` read the history (or nothing) as a plain prompt: a compression adapter
-    (conditional LoRA) never acts on plain tokens, so that is its base model; an adapter with
-    `conditional_lora=False` acts everywhere, so a full-context fine-tuned adapter scores as itself.
-    """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-    if metric not in METRICS:  # any other name was scored as perplexity and reported under that name
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
-    if not samples:
-        raise ValueError("score_samples got no samples.")
-    if not positive_int(batch_size):  # below 0 no batch ran, and every sample scored 0 of 0: a value of NaN
-        raise ValueError(f"batch_size must be a positive integer (samples scored at once), got {batch_size!r}.")
-    # Scored in batches of similar length (less padding), reported in the order given.
-    per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
-    context_tokens, peak, peak_bytes = 0, 0, 0
-    per_token, per_slot = kv_bytes_per_token(model), memory_slot_bytes(model)
+) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Raise, naming the sample (`samples[i]`), unless `method` can score every one of `samples` by `metric`; return
+    the token ids of each sample's contexts and of its input. `score_samples` runs it before anything is scored, and
+    `ccm eval` on every sample set before any is: full context checks the longest prompts of all methods."""
     # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
     # compress and the online forward).
     vocabulary = model.vocabulary_size
-    pad = padding_id(tokenizer, vocabulary)
     for i, sample in enumerate(samples):
         check_sample(sample, f"samples[{i}]")
     histories = [
@@ -223,6 +205,38 @@ def score_samples(
         history = sum(map(len, histories[i])) if method != "no_context" else 0
         longest = max(map(len, candidates), default=0)
         check_position_limit(history + len(questions[i]) + longest, model.absolute_position_limit, f"samples[{i}]")
+    return histories, questions
+
+
+@torch.no_grad()
+def score_samples(
+    model: CCMForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[OnlineSample],
+    method: str,
+    metric: str,
+    batch_size: int = 16,
+) -> MethodScore:
+    """Score `samples` (all with the same number of contexts) with one method.
+
+    `"no_context"` and `"full_context"` read the history (or nothing) as a plain prompt: a compression adapter
+    (conditional LoRA) never acts on plain tokens, so that is its base model; an adapter with
+    `conditional_lora=False` acts everywhere, so a full-context fine-tuned adapter scores as itself.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if metric not in METRICS:  # any other name was scored as perplexity and reported under that name
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
+    if not samples:
+        raise ValueError("score_samples got no samples.")
+    if not positive_int(batch_size):  # below 0 no batch ran, and every sample scored 0 of 0: a value of NaN
+        raise ValueError(f"batch_size must be a positive integer (samples scored at once), got {batch_size!r}.")
+    # Scored in batches of similar length (less padding), reported in the order given.
+    per_sample: list[tuple[float, int]] = [(0.0, 0)] * len(samples)
+    context_tokens, peak, peak_bytes = 0, 0, 0
+    per_token, per_slot = kv_bytes_per_token(model), memory_slot_bytes(model)
+    histories, questions = check_samples(model, tokenizer, samples, method, metric)
+    pad = padding_id(tokenizer, model.vocabulary_size)
     order = sorted(range(len(samples)), key=lambda i: sum(map(len, histories[i])) + len(questions[i]))
     for begin in range(0, len(samples), batch_size):
         indices = order[begin : begin + batch_size]
