@@ -436,6 +436,18 @@ def test_stream_eval_reads_a_text_file_with_a_byte_order_mark_as_its_text(tiny_m
     capsys.readouterr()
 
 
+def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adapter, tmp_path, capsys):
+    """A file with Windows line ends ("\r\n") was streamed with "\n" in their place: another text than the file's,
+    of other tokens (180 scored for the 200 of this one)."""
+    from transformers_ccm.embedded import load_tokenizer
+
+    text = "line one\r\nline two\rline three\n" * 20
+    (tmp_path / "windows.txt").write_bytes(text.encode())
+    report = stream_eval(tiny_model, adapter, tmp_path / "out", "--text-file", str(tmp_path / "windows.txt"))
+    assert report["tokens"] == len(load_tokenizer("default")(text, add_special_tokens=False)["input_ids"])
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -736,8 +736,10 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     figure()
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
-    try:  # a byte-order mark, as some editors write one, is not part of the text (it was streamed and scored)
-        text = long_text("test") if args.text_file is None else Path(args.text_file).read_text(encoding="utf-8-sig")
+    # A byte-order mark, as some editors write one, is not part of the text (it was streamed and scored); line ends
+    # are, as the file has them (read_text turned "\r\n" into "\n", and scored another stream than the file's).
+    try:
+        text = long_text("test") if args.text_file is None else Path(args.text_file).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
     ccm = StreamingConfig(
