@@ -6,8 +6,16 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ccm_reference import reference_logits
-from tiny_models import VOCAB, tiny_ccm, wordpiece_tokenizer
-from transformers_ccm import CCMConfig, CCMDataCollator, OnlineSample
+from test_online import online_logits, parallel_logits
+from tiny_models import (
+    VOCAB,
+    randomize_adapter,
+    tiny_ccm,
+    tiny_dynamic_ntk_base,
+    tiny_longrope_base,
+    wordpiece_tokenizer,
+)
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 from transformers_ccm.data import IGNORE_INDEX
 from transformers_ccm.masks import sample_layout
 
@@ -249,8 +257,8 @@ def test_tokenized_samples_collate_to_the_same_batch():
 @pytest.mark.parametrize("layout", ["ccm", "full_context"])
 def test_samples_past_learned_absolute_positions_are_refused_naming_the_sample(tmp_path, layout):
     """GPT-2 has 512 learned positions: a longer sample failed inside the embedding (IndexError: index out of range
-    in self) at whichever training step drew it. Rotary models have no such limit in the parallel forward (the online
-    path re-bases their positions)."""
+    in self) at whichever training step drew it. Rotary models of fixed frequencies have no such limit in the parallel
+    forward (the online path re-bases their positions)."""
     from transformers_ccm.training import TrainingRecipe, train
 
     gpt2 = tiny_ccm("gpt2", num_comp_tokens=2)
@@ -293,6 +301,27 @@ def test_a_comp_block_past_learned_absolute_positions_is_refused(total, split, i
     assert int(batch["position_ids"].max()) == last
     with torch.no_grad():
         gpt2(**batch)
+
+
+@pytest.mark.parametrize("base", [tiny_longrope_base, tiny_dynamic_ntk_base])
+def test_samples_past_the_original_context_of_a_dynamic_rotary_are_refused(tmp_path, base):
+    """LongRoPE and dynamic NTK rotate every position of a forward that passes their original context (64) with other
+    frequencies; inference compresses each context in a forward of its own, within it. A longer sample was trained on,
+    its logits 0.04 away from what inference computes; one that fits gives inference's logits."""
+    from transformers_ccm.training import TrainingRecipe, train
+
+    model = randomize_adapter(CCMForCausalLM.from_base(base(), CCMConfig(num_comp_tokens=2))).eval()
+    fits, too_long = (OnlineSample([[5] * 30, [6] * 30], [7, 8], [9] * k) for k in (2, 3))  # last positions 63, 64
+    online = online_logits(model, [fits], "right")[0]
+    torch.testing.assert_close(parallel_logits(model, [fits])[0], online, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"samples\[1\] reaches position 64, past the model's original context of 64"):
+        CCMDataCollator(model)([fits, too_long])
+    CCMDataCollator(model, layout="full_context")([too_long])  # one plain prompt, as the baseline reads it
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"samples\[1\] reaches position 64"):
+        train(model, None, [fits, too_long], None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2))
+    assert not (tmp_path / "run").exists()
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
 
 
 def test_a_pad_token_id_the_model_cannot_embed_is_refused_and_none_pads_with_zero():

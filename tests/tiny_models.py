@@ -152,6 +152,15 @@ def tiny_longrope_base(seed: int = 0) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
+def tiny_dynamic_ntk_base(seed: int = 0) -> PreTrainedModel:
+    """A tiny random Llama with dynamic NTK scaling: its rotary frequencies are rescaled, in place, at each forward that
+    reaches past position 64 (its `max_position_embeddings`)."""
+    torch.manual_seed(seed)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config = LlamaConfig(**{**_COMMON, "max_position_embeddings": 64}, rope_parameters=rope)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
 def tiny_wide_head_base(seed: int = 0) -> PreTrainedModel:
     """A tiny random Llama with SmolLM2's head size (64) and rotary base (100000): most of its rotary frequencies move
     a key by less than a bfloat16 rounding step per position."""

@@ -12,6 +12,7 @@ import torch
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import sample_layout
 from transformers_ccm.validation import check_setting, is_int, positive_int
+from transformers_ccm.wrapping import uniform_rotation_positions
 
 if TYPE_CHECKING:
     from transformers_ccm.modeling import CCMForCausalLM
@@ -209,6 +210,10 @@ class CCMDataCollator:
         # Known from a model with learned absolute positions: a longer sample is refused when read, not inside the
         # embedding at whichever training step draws it.
         self.position_limit: int | None = getattr(model, "absolute_position_limit", None)
+        # Known from a model whose rotary embedding sets its frequencies by a forward's last position (dynamic NTK,
+        # LongRoPE): a longer sample is refused when read, as the CCM forward would not compute what inference does.
+        base_model = getattr(model, "base_model", None)
+        self.rotation_limit = None if base_model is None else uniform_rotation_positions(base_model)
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.supervision = supervision
@@ -301,6 +306,16 @@ class CCMDataCollator:
         comp = self.config.num_comp_tokens if contexts and self.layout == "ccm" else 0
         positions = max(context_tokens + len(inputs) + len(outputs), context_tokens + comp)
         check_position_limit(positions, self.position_limit, f"samples[{index}]")
+        if self.layout == "ccm" and self.rotation_limit is not None and positions > self.rotation_limit:
+            # One forward over the whole sample rotated every position with the rescaled (dynamic NTK) or long
+            # (LongRoPE) frequencies of its length, where inference compresses each context in a forward of its own,
+            # with the original ones: the adapter was trained on, and its loss measured on, another computation.
+            raise ValueError(
+                f"samples[{index}] reaches position {positions - 1}, past the model's original context of "
+                f"{self.rotation_limit} positions, beyond which its rotary embedding rotates every position of a "
+                "forward with other frequencies than inference compresses each context with; shorten its contexts, "
+                "input or output, or split it into samples of fewer contexts."
+            )
         return contexts, inputs, outputs
 
     def _row(self, index: int, sample: OnlineSample) -> dict[str, list[Any]]:

@@ -153,18 +153,22 @@ class StreamingConfig:
             )
 
 
-def _original_context(rotary: torch.nn.Module, layer_type: str | None) -> int | None:
+def longrope_original_context(rotary: torch.nn.Module, layer_type: str | None) -> int | None:
     """The original context of a LongRoPE `rotary` module (of layers of `layer_type`, None where it has one kind): a
-    forward whose positions pass it rotates every position with the long factors. None for other rotaries, or a
-    maximum within the original context (the long factors never apply)."""
+    forward whose positions pass it rotates every position with the long factors. None for other rotaries."""
     kinds = getattr(rotary, "rope_type", None)
     kind = kinds.get(layer_type) if isinstance(kinds, dict) else kinds
     if kind != "longrope":
         return None
-    config = rotary.config
-    parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
-    original = parameters["original_max_position_embeddings"]
-    return original if config.max_position_embeddings > original else None
+    parameters = rotary.config.rope_parameters if layer_type is None else rotary.config.rope_parameters[layer_type]
+    return parameters["original_max_position_embeddings"]
+
+
+def _original_context(rotary: torch.nn.Module, layer_type: str | None) -> int | None:
+    """`longrope_original_context`, or None for a maximum within the original context (the long factors never apply
+    online, where positions are re-based at the maximum)."""
+    original = longrope_original_context(rotary, layer_type)
+    return original if original is not None and rotary.config.max_position_embeddings > original else None
 
 
 def _long_frequencies(rotary: torch.nn.Module, layer_type: str | None, current: torch.Tensor) -> torch.Tensor | None:

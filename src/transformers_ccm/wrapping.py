@@ -27,7 +27,7 @@ from transformers_ccm.attention import (
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.lora import attention_modules, lora_layers, without_lora
 from transformers_ccm.modes import evaluating
-from transformers_ccm.streaming import KeyRotation
+from transformers_ccm.streaming import KeyRotation, longrope_original_context
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,22 @@ def frequency_setting_rotaries(model: PreTrainedModel) -> list[nn.Module]:
         if dynamic and type(module).__name__.endswith("RotaryEmbedding"):
             found.append(module)
     return found
+
+
+def uniform_rotation_positions(model: PreTrainedModel) -> int | None:
+    """The most positions one forward of `model` may reach and still rotate with the frequencies of its original
+    context, those online inference computes every key with (a cache re-bases positions before they pass it): past
+    them a dynamic NTK rotary rescales and LongRoPE takes its long factors, for every position of that forward. None
+    where no rotary module of `model` sets its frequencies by the forward."""
+    limits = []
+    for rotary in frequency_setting_rotaries(model):
+        kinds = rotary.rope_type if isinstance(rotary.rope_type, dict) else {None: rotary.rope_type}
+        for layer_type, kind in kinds.items():
+            if kind == "longrope":
+                limits.append(longrope_original_context(rotary, layer_type))
+            elif "dynamic" in kind:  # transformers rescales past the module's original maximum
+                limits.append(rotary.original_max_seq_len)
+    return min(limits, default=None)
 
 
 # Held while a rotary module of `frequency_setting_rotaries` sets its frequencies and computes with them.
