@@ -347,7 +347,7 @@ def test_train_refuses_an_id_outside_the_vocabulary_before_the_first_step(tmp_pa
     bad = [*samples[:7], OnlineSample([[5, 6]], [7], [VOCAB + 3])]
     train_samples, eval_samples = (bad, None) if where == "train" else (samples, bad)
     recipe = TrainingRecipe(steps=2, batch_size=2, eval_every=1, save_every=1, group_by_length=group_by_length)
-    with pytest.raises(ValueError, match=rf"samples\[7\].output holds the token id {VOCAB + 3}, outside"):
+    with pytest.raises(ValueError, match=rf"^{where}_samples\[7\].output holds the token id {VOCAB + 3}, outside"):
         train(model, None, train_samples, eval_samples, tmp_path / "out", recipe)
     assert torch.equal(before, model.comp_embeddings)
     assert not list(tmp_path.glob("out/checkpoint-*"))
@@ -871,17 +871,22 @@ def test_resume_passes_over_a_checkpoint_whose_save_was_cut_short(tmp_path_facto
 @pytest.mark.parametrize(
     ("supervision", "unlabelled", "message"),
     [
-        ("output", OnlineSample([[11, 41], [12, 42]], [QUERY]), "has no token to learn from: no output."),
-        ("output", OnlineSample([[11, 41]], [QUERY], []), "has no token to learn from: no output."),
-        ("dense", OnlineSample([[11, 41]], [QUERY]), "has no token to learn from: no output and no context after"),
+        ("output", OnlineSample([[11, 41], [12, 42]], [QUERY]), " has no token to learn from: no output."),
+        ("output", OnlineSample([[11, 41]], [QUERY], []), " has no token to learn from: no output."),
+        ("dense", OnlineSample([[11, 41]], [QUERY]), " has no token to learn from: no output and no context after"),
+        # Read by the collator, which named either list's sample `samples[3]`.
+        ("output", OnlineSample([[11, VOCAB]], [QUERY], [41]), f".contexts[0] holds the token id {VOCAB}, outside"),
+        ("output", OnlineSample([[]], [QUERY], [41]), ".contexts[0] is empty"),
+        ("output", {"contexts": [[11]], "input": [QUERY], "output": [41]}, " is a dict, not an OnlineSample"),
     ],
 )
 @pytest.mark.parametrize("where", ["train", "eval"])
-def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
+def test_train_refuses_a_bad_sample_naming_its_list_before_the_first_step(
     tmp_path, supervision, unlabelled, message, where
 ):
     """A batch drawn from output-less samples had no loss, and the Trainer failed with `TypeError: unsupported
-    operand type(s) for /: 'NoneType' and 'int'` at that step. The refusal leaves the model as it was."""
+    operand type(s) for /: 'NoneType' and 'int'` at that step; a sample the collator refused was `samples[3]` in
+    either list. The refusal names the list and leaves the model as it was."""
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
     before = model.comp_embeddings.detach().clone()
     samples = [recall_sample(random.Random(seed)) for seed in range(4)]
@@ -890,7 +895,8 @@ def test_train_refuses_a_sample_with_nothing_to_learn_before_the_first_step(
     recipe = TrainingRecipe(
         steps=2, batch_size=2, eval_every=1, save_every=1, supervision=supervision, gradient_checkpointing=True
     )
-    with pytest.raises(ValueError, match=rf"{where}_samples\[3\] {re.escape(message)}"):
+    error = TypeError if isinstance(unlabelled, dict) else ValueError
+    with pytest.raises(error, match=rf"^{where}_samples\[3\]{re.escape(message)}"):
         train(model, None, train_samples, eval_samples, tmp_path / "out", recipe)
     assert torch.equal(before, model.comp_embeddings) and not (tmp_path / "out").exists()
     assert not model.base_model.is_activation_checkpointing  # it was switched on before the samples were read

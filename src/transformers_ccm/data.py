@@ -241,12 +241,13 @@ class CCMDataCollator:
             del batch["labels"]
         return batch
 
-    def tokenized(self, samples: Sequence[OnlineSample]) -> list[OnlineSample]:
+    def tokenized(self, samples: Sequence[OnlineSample], name: str = "samples") -> list[OnlineSample]:
         """`samples` with their contexts, inputs and outputs as token ids, from one batched tokenizer call: batches
-        of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem)."""
+        of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem). Errors
+        name a sample as `name[index]`."""
         for index, sample in enumerate(samples):
-            check_sample(sample, f"samples[{index}]")
-        contexts = [sample_entries(s.contexts, f"samples[{index}].contexts") for index, s in enumerate(samples)]
+            check_sample(sample, f"{name}[{index}]")
+        contexts = [sample_entries(s.contexts, f"{name}[{index}].contexts") for index, s in enumerate(samples)]
         strings = list(
             dict.fromkeys(
                 text
@@ -272,46 +273,48 @@ class CCMDataCollator:
             for sample, entries in zip(samples, contexts, strict=True)
         ]
 
-    def sequence_length(self, sample: OnlineSample, index: int = 0) -> int:
-        """The positions `sample` (at `index` in its list, for errors) takes in a batch before padding."""
-        contexts, inputs, outputs = self._token_lists(index, sample)
+    def sequence_length(self, sample: OnlineSample, index: int = 0, name: str = "samples") -> int:
+        """The positions `sample` (`name[index]`, for errors) takes in a batch before padding."""
+        contexts, inputs, outputs = self._token_lists(index, sample, name)
         comp = 0 if self.layout == "full_context" else self.config.num_comp_tokens
         return sum(len(context) + comp for context in contexts) + len(inputs) + len(outputs)
 
-    def supervised_tokens(self, sample: OnlineSample, index: int = 0) -> int:
-        """How many tokens of `sample` (at `index` in its list, for errors) get a label: its output, and with dense
+    def supervised_tokens(self, sample: OnlineSample, index: int = 0, name: str = "samples") -> int:
+        """How many tokens of `sample` (`name[index]`, for errors) get a label: its output, and with dense
         supervision every context's tokens after its first from the second context on."""
-        contexts, _, outputs = self._token_lists(index, sample)
+        contexts, _, outputs = self._token_lists(index, sample, name)
         dense = sum(len(context) - 1 for context in contexts[1:]) if self.supervision == "dense" else 0
         return len(outputs) + dense
 
-    def _token_lists(self, index: int, sample: OnlineSample) -> tuple[list[list[int]], list[int], list[int]]:
-        """The token ids of the sample's contexts, input and output (none without an output)."""
-        check_sample(sample, f"samples[{index}]")
+    def _token_lists(
+        self, index: int, sample: OnlineSample, name: str = "samples"
+    ) -> tuple[list[list[int]], list[int], list[int]]:
+        """The token ids of the sample's contexts, input and output (none without an output); errors name the sample
+        `name[index]` (train() has two lists of them)."""
+        where = f"{name}[{index}]"
+        check_sample(sample, where)
         vocabulary = self.vocabulary
         contexts = [
-            token_ids(context, self.tokenizer, f"samples[{index}].contexts[{j}]", vocabulary=vocabulary)
-            for j, context in enumerate(sample_entries(sample.contexts, f"samples[{index}].contexts"))
+            token_ids(context, self.tokenizer, f"{where}.contexts[{j}]", vocabulary=vocabulary)
+            for j, context in enumerate(sample_entries(sample.contexts, f"{where}.contexts"))
         ]
-        inputs = token_ids(sample.input, self.tokenizer, f"samples[{index}].input", vocabulary=vocabulary)
+        inputs = token_ids(sample.input, self.tokenizer, f"{where}.input", vocabulary=vocabulary)
         outputs = (
             []
             if sample.output is None
-            else token_ids(
-                sample.output, self.tokenizer, f"samples[{index}].output", empty_ok=True, vocabulary=vocabulary
-            )
+            else token_ids(sample.output, self.tokenizer, f"{where}.output", empty_ok=True, vocabulary=vocabulary)
         )
         # Ordinary tokens are numbered consecutively; the <COMP> block after the last context follows its end.
         context_tokens = sum(map(len, contexts))
         comp = self.config.num_comp_tokens if contexts and self.layout == "ccm" else 0
         positions = max(context_tokens + len(inputs) + len(outputs), context_tokens + comp)
-        check_position_limit(positions, self.position_limit, f"samples[{index}]")
+        check_position_limit(positions, self.position_limit, where)
         if self.layout == "ccm" and self.rotation_limit is not None and positions > self.rotation_limit:
             # One forward over the whole sample rotated every position with the rescaled (dynamic NTK) or long
             # (LongRoPE) frequencies of its length, where inference compresses each context in a forward of its own,
             # with the original ones: the adapter was trained on, and its loss measured on, another computation.
             raise ValueError(
-                f"samples[{index}] reaches position {positions - 1}, past the model's original context of "
+                f"{where} reaches position {positions - 1}, past the model's original context of "
                 f"{self.rotation_limit} positions, beyond which its rotary embedding rotates every position of a "
                 "forward with other frequencies than inference compresses each context with; shorten its contexts, "
                 "input or output, or split it into samples of fewer contexts."

@@ -446,13 +446,15 @@ def train(
     if isinstance(collator, CCMDataCollator):
         # Tokenized once here rather than at every batch; the lengths come from the same ids. Every sample is read
         # now, so a bad one (an id outside the vocabulary, nothing to learn from) is refused before the first step.
-        train_samples = collator.tokenized(train_samples)
+        train_samples = collator.tokenized(train_samples, "train_samples")
         _check_supervised(collator, train_samples, "train_samples")
         if eval_samples:
-            eval_samples = collator.tokenized(eval_samples)
+            eval_samples = collator.tokenized(eval_samples, "eval_samples")
             _check_supervised(collator, eval_samples, "eval_samples")
         if recipe.group_by_length:
-            sample_lengths = [collator.sequence_length(sample, index) for index, sample in enumerate(train_samples)]
+            sample_lengths = [
+                collator.sequence_length(sample, index, "train_samples") for index, sample in enumerate(train_samples)
+            ]
     else:  # every stream read now too: one of another length, or with other ids, failed at the step that drew it
         train_samples = collator.checked(train_samples, "train_samples")
         if eval_samples:
@@ -680,10 +682,10 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
     """Raise a ValueError naming the first sample with no label: a batch of such samples has no loss, which the
     Trainer met with a TypeError (`None / int`) at whichever step drew one."""
     for index, sample in enumerate(samples):
-        if not collator.supervised_tokens(sample, index):
+        if not collator.supervised_tokens(sample, index, name):
             dense = " and no context after the first to supervise" if collator.supervision == "dense" else ""
             raise ValueError(
-                f"{name}[{index}] has no token to learn from: no output{dense}. Give every training sample an output "
+                f"{name}[{index}] has no token to learn from: no output{dense}. Give every sample of {name} an output "
                 "(the text the model should produce after the input), or leave it out."
             )
 
