@@ -960,6 +960,24 @@ def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path
     assert trained_on == "transformers-ccm built-in task 'icl'"
 
 
+def test_train_names_the_file_and_line_of_a_sample_the_model_refuses(tiny_model, tmp_path, capsys, monkeypatch):
+    """What only the model can check (ids past its vocabulary, nothing to learn from) was refused as `train_samples[2]`
+    or `samples[2]`: an index among the file's samples, from 0, not its line (blank lines are skipped)."""
+    monkeypatch.chdir(tmp_path)
+    good = '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
+    Path("empty.jsonl").write_text(f'{good}\n{good}{{"contexts": ["Bob."], "input": "Bob likes", "output": ""}}\n')
+    Path("ids.jsonl").write_text(f'{good}\n{good}{{"contexts": [[99999999]], "input": "Bob likes", "output": " x"}}\n')
+    for arguments, message in (
+        (["--task", "empty.jsonl"], "empty.jsonl:4 has no token to learn from: no output. Give every sample an output"),
+        (["--task", "ids.jsonl"], "ids.jsonl:4: contexts[0] holds the token id 99999999, outside the model's vocab"),
+        (["--task", "icl", "--eval-task", "ids.jsonl"], "ids.jsonl:4: contexts[0] holds the token id 99999999"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--model", tiny_model, "--output-dir", "out", "--steps", "1", *arguments])
+        assert exit_info.value.code == 2 and f"ccm train: error: {message}" in capsys.readouterr().err
+        assert not Path("out").exists()
+
+
 def test_chat_goes_on_after_a_message_it_cannot_answer(tiny_model, adapter, tmp_path, monkeypatch, capsys):
     """A message longer than the model's positions allow ended the whole chat with 'ccm chat: error: ...'; the
     message is refused, the memory (and its file) stay as they were, and the next message is answered."""

@@ -79,6 +79,19 @@ def _in_flags(error: ValueError) -> ValueError:
     return ValueError(re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error)))
 
 
+def _in_file_rows(error: ValueError, rows: dict[str, tuple[str | None, list[int] | None]]) -> ValueError:
+    """`error` in the words of `ccm train`: a sample it names as `train_samples[i]` or `eval_samples[i]` by the file
+    and line it was read from, where `rows[name]` gives that file and its samples' lines (None for a built-in task);
+    other errors as they are."""
+    match = re.match(r"(train_samples|eval_samples)\[(\d+)\](\.?)", str(error))
+    path, lines = rows[match[1]] if match else (None, None)
+    if match is None or lines is None:
+        return error
+    # `train_samples[3].input holds ...` as `mine.jsonl:5: input holds ...`, as load_jsonl names a bad field.
+    where = f"{path}:{lines[int(match[2])]}{': ' if match[3] else ''}"
+    return ValueError(where + str(error)[match.end() :])
+
+
 def _is_file(task: str) -> bool:
     """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task."""
     return task.endswith(".jsonl") or os.path.isfile(task)  # a folder named like a built-in task is not a file
@@ -92,11 +105,12 @@ def _load_samples(
     tokenizer: Callable[[], PreTrainedTokenizerBase],
     compress_chunk: int,
     stream_length: int | None = None,
-) -> list[OnlineSample] | list[list[int]]:
+) -> tuple[list[OnlineSample] | list[list[int]], list[int] | None]:
     """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only). `tokenizer()` gives
-    the tokenizer, called for built-in tasks only (not for a JSONL file)."""
+    the tokenizer, called for built-in tasks only (not for a JSONL file). With them, the line of each sample in a
+    JSONL file (None for a built-in task)."""
     from transformers_ccm.streaming import StreamingConfig
-    from transformers_ccm.tasks import load_jsonl, make_samples, mixture_weights
+    from transformers_ccm.tasks import load_jsonl_rows, make_samples, mixture_weights
     from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
 
     if stream_length is not None and task not in TEXT_TASKS:
@@ -105,7 +119,7 @@ def _load_samples(
             f"got {task!r}."
         )
     if _is_file(task):
-        return load_jsonl(task)
+        return load_jsonl_rows(task)
     if task in TEXT_TASKS:
         # After a compression the window holds `window_tokens - compress_chunk` tokens; samples span the same.
         window = StreamingConfig().window_tokens - compress_chunk
@@ -114,13 +128,14 @@ def _load_samples(
                 f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
             )
         if stream_length is not None:
-            return text_streams(tokenizer(), split, count, stream_length, seed=seed, sources=TEXT_TASKS[task])
-        return stream_samples(
+            return text_streams(tokenizer(), split, count, stream_length, seed=seed, sources=TEXT_TASKS[task]), None
+        samples = stream_samples(
             tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
+        return samples, None
     mixture_weights(task)  # an unknown task is refused before the tokenizer loads
     # Chat wordings in the model's chat template, as `ccm chat` talks to it.
-    return make_samples(task, split, count, seed=seed, tokenizer=tokenizer())
+    return make_samples(task, split, count, seed=seed, tokenizer=tokenizer()), None
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -220,7 +235,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         split: _load_samples(task, split, count, args.seed, tokenizer, args.compress_chunk, stream_length)
         for split, (task, count) in sorted(wanted.items(), key=lambda item: not _is_file(item[1][0]))
     }
-    train_samples, eval_samples = drawn["train"], drawn.get("test")
+    (train_samples, train_rows), (eval_samples, eval_rows) = drawn["train"], drawn.get("test", (None, None))
     model = CCMForCausalLM.from_base(args.model, config)
     if args.init_adapter:
         model.load_adapter(args.init_adapter, resize_comp_tokens=True, extend_targets=True)
@@ -229,17 +244,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.distill_teacher:
         teacher = _load_full_context(args.distill_teacher, args.model, model, "--distill-teacher")
     model.print_trainable_parameters()
-    trainer = train(
-        model,
-        tokenizer(),
-        train_samples,
-        eval_samples,
-        args.output_dir,
-        recipe,
-        resume=args.resume,
-        teacher=teacher,
-        stop_at_step=args.stop_at_step,
-    )
+    try:
+        trainer = train(
+            model,
+            tokenizer(),
+            train_samples,
+            eval_samples,
+            args.output_dir,
+            recipe,
+            resume=args.resume,
+            teacher=teacher,
+            stop_at_step=args.stop_at_step,
+        )
+    except ValueError as error:
+        rows = {"train_samples": (args.task, train_rows), "eval_samples": (eval_task, eval_rows)}
+        raise _in_file_rows(error, rows) from None
     wrote_adapter = trainer.is_world_process_zero()  # the process that wrote it says where; read before teardown
     if torch.distributed.is_initialized():
         # Under torchrun/accelerate a process that exits with its process group alive can abort in gloo's or

@@ -685,7 +685,7 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
         if not collator.supervised_tokens(sample, index, name):
             dense = " and no context after the first to supervise" if collator.supervision == "dense" else ""
             raise ValueError(
-                f"{name}[{index}] has no token to learn from: no output{dense}. Give every sample of {name} an output "
+                f"{name}[{index}] has no token to learn from: no output{dense}. Give every sample an output "
                 "(the text the model should produce after the input), or leave it out."
             )
 

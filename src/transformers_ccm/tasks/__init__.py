@@ -200,7 +200,13 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
     """Read samples written by `save_jsonl` (or by hand): one JSON object per line, strings or token ids."""
-    samples = []
+    return load_jsonl_rows(path)[0]
+
+
+def load_jsonl_rows(path: str | os.PathLike[str]) -> tuple[list[OnlineSample], list[int]]:
+    """`load_jsonl(path)` and the line number (from 1) of each sample in the file, to name a sample that a model
+    refuses by its line: blank lines are skipped."""
+    samples, rows = [], []
     # A pipe or a device is refused, not read: it blocked until a writer came, and /dev/zero filled the memory.
     content = read_regular_file(path, "give a JSONL file of samples.")
     try:  # a byte-order mark, as some editors write one, is not part of the first line
@@ -222,9 +228,10 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
             raise ValueError(f"{path}:{number} has unknown fields {unknown}.")
         _check_record(record, f"{path}:{number}")
         samples.append(OnlineSample(record["contexts"], record["input"], record.get("output"), record.get("choices")))
+        rows.append(number)
     if not samples:
         raise ValueError(f"{path} holds no samples.")
-    return samples
+    return samples, rows
 
 
 _TOKENS = "a string or a list of token ids (integers >= 0)"
