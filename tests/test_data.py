@@ -12,6 +12,7 @@ from tiny_models import (
     randomize_adapter,
     tiny_ccm,
     tiny_dynamic_ntk_base,
+    tiny_llama_for,
     tiny_longrope_base,
     wordpiece_tokenizer,
 )
@@ -72,6 +73,26 @@ def test_text_the_tokenizer_reads_as_no_token_is_refused_as_such(text):
         collate([OnlineSample(["hello", text], "world")])
     with pytest.raises(ValueError, match=r"contexts\[1\] is empty"):
         collate([OnlineSample(["hello", ""], "world")])
+
+
+@pytest.mark.parametrize("text", ["\u200b", " \ufeff "])
+def test_train_quotes_text_the_tokenizer_reads_as_no_token(tmp_path, text):
+    """Tokenized once before training, such a context was refused as 'empty', and such an output as 'no output'."""
+    from transformers_ccm.training import TrainingRecipe, train
+
+    tokenizer = wordpiece_tokenizer()
+    model = CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig())
+    quoted = re.escape(repr(text))
+    for sample, message in (
+        (OnlineSample(["hello", text], "world", "hello"), rf"\.contexts\[1\] is the text {quoted}, which"),
+        (
+            OnlineSample(["hello"], "world", text),
+            rf" has no token to learn from: the tokenizer reads its output {quoted} ",
+        ),
+    ):
+        with pytest.raises(ValueError, match=rf"^train_samples\[0\]{message}"):
+            train(model, tokenizer, [sample], None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=1))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,8 @@ class CCMDataCollator:
         ids = dict(zip(strings, self.tokenizer(strings, add_special_tokens=False)["input_ids"], strict=True))
 
         def as_ids(tokens: Tokens) -> Tokens:
-            return list(ids[tokens]) if isinstance(tokens, str) else tokens
+            # A text read as no token stays text, for the error that names it to quote it (not to call it empty).
+            return list(ids[tokens]) if isinstance(tokens, str) and ids[tokens] else tokens
 
         return [
             replace(

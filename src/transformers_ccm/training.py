@@ -684,8 +684,11 @@ def _check_supervised(collator: CCMDataCollator, samples: Sequence[OnlineSample]
     for index, sample in enumerate(samples):
         if not collator.supervised_tokens(sample, index, name):
             dense = " and no context after the first to supervise" if collator.supervision == "dense" else ""
+            # An output of whitespace or zero-width characters, which a BERT-style tokenizer drops, was "no output".
+            text = isinstance(sample.output, str) and sample.output
+            output = f"the tokenizer reads its output {sample.output!r:.60} as no token" if text else "no output"
             raise ValueError(
-                f"{name}[{index}] has no token to learn from: no output{dense}. Give every sample an output "
+                f"{name}[{index}] has no token to learn from: {output}{dense}. Give every sample an output "
                 "(the text the model should produce after the input), or leave it out."
             )
 
