@@ -904,6 +904,25 @@ def test_train_refuses_a_bad_sample_naming_its_list_before_the_first_step(
     assert CCMDataCollator(model, supervision="dense").supervised_tokens(dense) == 1
 
 
+@pytest.mark.parametrize("where", ["train", "eval"])
+@pytest.mark.parametrize("form", ["generator", "iterator", "one sample", "dict"])
+def test_train_refuses_samples_that_are_not_a_list_naming_the_fix(tmp_path, where, form):
+    """eval_samples given as a generator was read up by the checks, and the run evaluated nothing without a word; one
+    sample without its list failed with "object of type 'OnlineSample' has no len()"."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    samples = [recall_sample(random.Random(seed)) for seed in range(2)]
+    given = {
+        "generator": (sample for sample in samples),
+        "iterator": iter(samples),
+        "one sample": samples[0],
+        "dict": {"contexts": [[11]], "input": [QUERY], "output": [41]},
+    }[form]
+    train_samples, eval_samples = (given, None) if where == "train" else (samples, given)
+    with pytest.raises(TypeError, match=rf"^{where}_samples is a \w+, not a list of samples; give a list of Online"):
+        train(model, None, train_samples, eval_samples, tmp_path / "out", TrainingRecipe(steps=1, batch_size=1))
+    assert not (tmp_path / "out").exists()
+
+
 def _step_gradients(trainer: CCMTrainer, samples: list, cuts: list[int]) -> dict[str, torch.Tensor | None]:
     """The adapter's gradients after one optimizer step of `trainer` over `samples`, fed as the batches that `cuts`
     (indices) split them into, each accumulated by the Trainer's own `training_step`."""

@@ -15,7 +15,7 @@ import random
 import re
 import traceback
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import partial
@@ -388,6 +388,9 @@ def train(
     _refuse_sharded_launch()
     _refuse_disabled_gradients()
     _refuse_trainable_base(model)
+    _check_sample_list(train_samples, "train_samples")
+    if eval_samples is not None:
+        _check_sample_list(eval_samples, "eval_samples")
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
         raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
@@ -675,6 +678,18 @@ def _refuse_trainable_base(model: CCMForCausalLM) -> None:
             f"{' ...' if len(trainable) > 3 else ''}), but train() trains the adapter alone (the LoRA and the <COMP> "
             "embeddings), the only weights it saves. Freeze them first: for name, parameter in "
             "model.named_parameters(): parameter.requires_grad_(name == 'comp_embeddings' or '.lora_' in name)."
+        )
+
+
+def _check_sample_list(samples: Any, name: str) -> None:
+    """Raise a TypeError naming `name` unless `samples` is a list of samples (anything with a length and indexing:
+    a tuple, a 2-D tensor of streams). A generator was read once to check it and once to tokenize it, so eval_samples
+    given as one evaluated nothing, without a word; one sample without its list failed on `len()`."""
+    listed = hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
+    if not listed or isinstance(samples, (OnlineSample, str, bytes, Mapping)):
+        raise TypeError(
+            f"{name} is a {type(samples).__name__}, not a list of samples; give a list of OnlineSample (of token-id "
+            "lists with recipe.streaming): [sample] for one, list(...) of a generator."
         )
 
 
