@@ -238,7 +238,8 @@ def test_markers_with_braces_stay_text(smollm2):
 def test_ccm_train_and_eval_write_chat_wordings_in_the_models_template(smollm2, template):
     """What `ccm train` trains on and `ccm eval` scores: the samples of the model's tokenizer."""
     tokenizer = _templated(smollm2, template)
-    trained = _load_samples("dialogue", "train", 24, 0, lambda: tokenizer, 4)
+    trained, rows = _load_samples("dialogue", "train", 24, 0, lambda: tokenizer, 4)
+    assert rows is None  # lines only for a JSONL file
     assert trained == [b.sample for b in make_task_samples("dialogue", "train", 24, 0, tokenizer=tokenizer)]
     assert any(_is_chat(b.sample.input) for b in make_task_samples("dialogue", "train", 24, 0))
     assert not any(_is_chat(sample.input) for sample in trained)
