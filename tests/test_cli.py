@@ -638,6 +638,16 @@ def _report_rows(
     return [{**row, "method": method, **changes} for method in methods]
 
 
+def _add_to_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: object, arguments: list[str]) -> str:
+    """What `ccm eval ARGUMENTS --add-to` a report of `rows` prints, refusing it (exit code 2)."""
+    (tmp_path / "report").mkdir(exist_ok=True)
+    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--add-to", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
@@ -664,13 +674,9 @@ def _report_rows(
 def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, capsys, changes, problem):
     """A report's counts are checked against what it holds: a count of a billion samples (or a million contexts)
     used to be drawn as it said, and a zero full-context size raised ZeroDivisionError."""
-    (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": _report_rows(**changes)}))
     arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*arguments, "--add-to", str(tmp_path / "report")])
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
+    error = _add_to_error(tmp_path, capsys, _report_rows(**changes), arguments)
+    assert "is not a ccm eval report" in error and problem in error
 
 
 @pytest.mark.parametrize(
@@ -686,13 +692,9 @@ def test_eval_add_to_refuses_a_damaged_report_before_drawing_samples(tmp_path, c
     ],
 )
 def test_eval_add_to_refuses_a_report_missing_rows_or_fields_before_the_model_loads(tmp_path, capsys, rows, problem):
-    (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
     arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*arguments, "--add-to", str(tmp_path / "report")])
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "is not a ccm eval report" in error and problem in error
+    error = _add_to_error(tmp_path, capsys, rows, arguments)
+    assert "is not a ccm eval report" in error and problem in error
     assert "score anew without --add-to" in error and not (tmp_path / "out").exists()
 
 
@@ -753,13 +755,9 @@ def test_eval_add_to_refuses_full_contexts_past_the_models_positions_before_draw
     """A report claiming ten million contexts per sample, its full context as many tokens and more: consistent in
     itself, it was drawn again for hours; the base model (2048 positions) never ran a prompt of that length."""
     rows = _report_rows(steps=10**7, context_kv_tokens=2e7, peak_kv_tokens=3 * 10**7)
-    (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
     arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*arguments, "--add-to", str(tmp_path / "report")])
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "icl (seen, t=10000000) held full contexts of 30000000 tokens" in error
+    error = _add_to_error(tmp_path, capsys, rows, arguments)
+    assert "icl (seen, t=10000000) held full contexts of 30000000 tokens" in error
     assert "past the 2048 positions of the base model" in error and not (tmp_path / "out").exists()
 
 
@@ -782,12 +780,8 @@ def test_eval_add_to_refuses_sample_sets_ccm_eval_never_scores_before_scoring(ti
         ),
         ({"task": "nonsense"}, "nonsense (seen, t=2, accuracy) cannot be drawn again (--tasks takes built-in tasks"),
     ):
-        (tmp_path / "report").mkdir(exist_ok=True)
-        (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": _report_rows(**changes)}))
-        with pytest.raises(SystemExit) as exit_info:
-            main([*arguments, "--add-to", str(tmp_path / "report")])
-        error = capsys.readouterr().err
-        assert exit_info.value.code == 2 and problem in error and "score every adapter anew without --add-to" in error
+        error = _add_to_error(tmp_path, capsys, _report_rows(**changes), arguments)
+        assert problem in error and "score every adapter anew without --add-to" in error
     assert not (tmp_path / "out").exists()
 
 
@@ -796,13 +790,9 @@ def test_eval_add_to_refuses_a_report_whose_rows_hold_other_samples(tmp_path, ca
     rows it shares no sample with."""
     rows = _report_rows(samples_digest="0123456789abcdef")
     rows[-1]["samples_digest"] = "fedcba9876543210"
-    (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "eval.json").write_text(json.dumps({"results": rows}))
     arguments = ["eval", "--adapters", str(tmp_path / "none"), "--output-dir", str(tmp_path / "out")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*arguments, "--add-to", str(tmp_path / "report")])
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "icl (seen, t=2): its methods were scored on different samples" in error
+    error = _add_to_error(tmp_path, capsys, rows, arguments)
+    assert "icl (seen, t=2): its methods were scored on different samples" in error
 
 
 def test_train_the_full_context_baseline(tiny_model, tmp_path, capsys):
