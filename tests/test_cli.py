@@ -455,9 +455,10 @@ def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adap
         (["--tasks", "icl", "--steps", "1", "-2"], "--steps takes time steps of at least 1"),
         (["--tasks", "icl", "--samples", "0"], "--samples must be at least 1, got 0"),
         (["--tasks", "icl", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # range() arg 3
-        (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl has samples with no contexts"),
+        (["--tasks", "no-contexts.jsonl"], "no-contexts.jsonl:3 has no contexts"),
         # Scored as nan, then 'Data cannot be log-scaled' in the plot, once every model had run.
-        (["--tasks", "empty-output.jsonl"], "empty-output.jsonl: sample 2 has an empty 'output'"),
+        (["--tasks", "empty-output.jsonl"], "empty-output.jsonl:3 has an empty 'output'"),
+        (["--tasks", "no-output.jsonl"], "no-output.jsonl:3 has no 'output'; every sample to score needs one"),
         # Each scored again, every row written twice into eval.json.
         (["--tasks", "icl", "icl"], "--tasks names a task more than once: ['icl', 'icl']"),
         (["--tasks", "icl", "--steps", "1", "2", "1"], "--steps names a time step more than once: [1, 2, 1]"),
@@ -465,14 +466,11 @@ def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adap
 )
 def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
     monkeypatch.chdir(tmp_path)
-    Path("no-contexts.jsonl").write_text(
-        '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
-        '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n'
-    )
-    Path("empty-output.jsonl").write_text(
-        '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n'
-        '{"contexts": ["Bob likes coffee."], "input": "Bob likes", "output": ""}\n'
-    )
+    # A blank line between the samples: an error names the file's line, not the sample's place among the samples.
+    good = '{"contexts": ["Ann likes tea."], "input": "Ann likes", "output": " tea"}\n\n'
+    Path("no-contexts.jsonl").write_text(good + '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n')
+    Path("empty-output.jsonl").write_text(good + '{"contexts": ["Bob."], "input": "Bob likes", "output": ""}')
+    Path("no-output.jsonl").write_text(good + '{"contexts": ["Bob likes coffee."], "input": "Bob likes"}\n')
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -541,7 +539,7 @@ def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adap
     no_output.write_text(json.dumps({"contexts": ["a"], "input": "b"}) + "\n")
     for tasks, message in (
         ([str(choices), "--steps", "3"], r"has no sample with \[3\] contexts; it has samples with \[1, 2\]"),
-        ([str(no_output)], "every sample to score needs an 'output'"),
+        ([str(no_output)], f"{no_output}:1 has no 'output'; every sample to score needs one"),
         (["nonsense"], "built-in tasks .* or JSONL files; got 'nonsense'"),
     ):
         with pytest.raises(SystemExit) as exit_info:
@@ -551,19 +549,19 @@ def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adap
 
 def test_eval_checks_every_sample_set_before_scoring_any(tiny_model, adapter, tmp_path, capsys):
     """A sample the model cannot take in a later set (a token id past the vocabulary) failed once the sets before it
-    had been scored, named by its place in its set alone, not by its file."""
+    had been scored, named by its place in its set alone (`samples[1]`, counted among the samples with as many
+    contexts), not by its file and line as `ccm train` names it; blank lines, Windows line ends and a byte-order
+    mark are no samples and still count as lines."""
     own = tmp_path / "own.jsonl"
-    rows = [(["a b"], "x"), (["a", "b"], "x"), (["a", [10**9]], "y")]
-    own.write_text("".join(json.dumps({"contexts": c, "input": "q", "output": o}) + "\n" for c, o in rows))
+    rows = [(["a b"], "x"), (["a", "b"], "x"), (["a b c"], "x"), (["a", [10**9]], "y")]
+    lines = [json.dumps({"contexts": c, "input": "q", "output": o}) for c, o in rows]
+    own.write_bytes(("\ufeff" + "\r\n\r\n".join(lines)).encode())  # the bad sample on line 7, without a line end
     arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_info:
         main([*arguments, "--tasks", "icl", str(own), "--steps", "1", "2", "--samples", "2"])
     captured = capsys.readouterr()
     assert exit_info.value.code == 2 and captured.out == "" and not (tmp_path / "out").exists()
-    assert (
-        f"{own} (own, t=2, samples[i] its i-th sample with 2 contexts, from 0): samples[1].contexts[1] holds the "
-        "token id 1000000000, outside the model's vocabulary" in captured.err
-    )
+    assert f"{own}:7: contexts[1] holds the token id 1000000000, outside the model's vocabulary" in captured.err
 
 
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path, capsys):

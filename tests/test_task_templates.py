@@ -244,7 +244,8 @@ def test_ccm_train_and_eval_write_chat_wordings_in_the_models_template(smollm2, 
     assert any(_is_chat(b.sample.input) for b in make_task_samples("dialogue", "train", 24, 0))
     assert not any(_is_chat(sample.input) for sample in trained)
     args = argparse.Namespace(samples=6, seed=0, steps=[2])
-    for wordings, steps, samples, _ in _evaluation_sets("chat", args, tokenizer):
+    for wordings, steps, samples, _, lines in _evaluation_sets("chat", args, tokenizer):
+        assert lines is None  # lines only for a JSONL file
         drawn = make_task_samples("chat", "test", 6, 0, steps, wordings, tokenizer)
         assert samples == [b.sample for b in drawn]
         assert not any(_is_chat(s.input) for s in samples)

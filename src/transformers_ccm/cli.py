@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from transformers_ccm.data import OnlineSample
     from transformers_ccm.modeling import CCMForCausalLM
 
-    # What `ccm eval` scores at once: (task, wording set, time step, samples, metric).
-    SampleSet = tuple[str, str, int, list[OnlineSample], str]
+    # What `ccm eval` scores at once: (task, wording set, time step, samples, metric, the line of each sample in
+    # the task's JSONL file or None).
+    SampleSet = tuple[str, str, int, list[OnlineSample], str, list[int] | None]
 
 
 # Commands import torch and transformers inside their handlers, so that `ccm --help` answers at once.
@@ -80,11 +81,11 @@ def _in_flags(error: ValueError) -> ValueError:
 
 
 def _in_file_rows(error: ValueError, rows: dict[str, tuple[str | None, list[int] | None]]) -> ValueError:
-    """`error` in the words of `ccm train`: a sample it names as `train_samples[i]` or `eval_samples[i]` by the file
-    and line it was read from, where `rows[name]` gives that file and its samples' lines (None for a built-in task);
-    other errors as they are."""
-    match = re.match(r"(train_samples|eval_samples)\[(\d+)\](\.?)", str(error))
-    path, lines = rows[match[1]] if match else (None, None)
+    """`error` in the words of `ccm train` or `ccm eval`: a sample it names as `name[i]` (`train_samples[i]`,
+    `samples[i]`) by the file and line it was read from, where `rows[name]` gives that file and its samples' lines
+    (None for a built-in task); other errors as they are."""
+    match = re.match(r"(\w+)\[(\d+)\](\.?)", str(error))
+    path, lines = rows.get(match[1], (None, None)) if match else (None, None)
     if match is None or lines is None:
         return error
     # `train_samples[3].input holds ...` as `mine.jsonl:5: input holds ...`, as load_jsonl names a bad field.
@@ -363,35 +364,44 @@ def _refuse_baselines(models: dict[str, CCMForCausalLM], fix: str) -> None:
 
 def _evaluation_sets(
     task: str, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None
-) -> list[tuple[str, int, list[OnlineSample], str]]:
-    """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric): a built-in task per wording
-    set and time step, its chat wordings in `tokenizer`'s chat template (ChatML without one); a JSONL file of your
-    own samples grouped by their number of contexts (wording set "own"), by accuracy where every sample lists its
-    choices, by perplexity otherwise."""
-    from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl, make_samples
+) -> list[tuple[str, int, list[OnlineSample], str, list[int] | None]]:
+    """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric, lines): a built-in task per
+    wording set and time step, its chat wordings in `tokenizer`'s chat template (ChatML without one); a JSONL file of
+    your own samples grouped by their number of contexts (wording set "own"), by accuracy where every sample lists its
+    choices, by perplexity otherwise, with the line of each sample in the file (None for a built-in task)."""
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl_rows, make_samples
 
     if _is_file(task):
-        own = load_jsonl(task)
-        if any(sample.output is None for sample in own):
-            raise ValueError(f"{task}: every sample to score needs an 'output' (the reference answer or text).")
-        empty = next((number for number, sample in enumerate(own, start=1) if not sample.output), None)
+        own, rows = load_jsonl_rows(task)
+        numbered = list(zip(rows, own, strict=True))
+        no_output = next((row for row, sample in numbered if sample.output is None), None)
+        if no_output is not None:
+            raise ValueError(
+                f"{task}:{no_output} has no 'output'; every sample to score needs one (the reference answer or text)."
+            )
+        empty = next((row for row, sample in numbered if not sample.output), None)
         if empty is not None:
             raise ValueError(
-                f"{task}: sample {empty} has an empty 'output'; scoring needs at least one token of the reference "
-                "answer or text."
+                f"{task}:{empty} has an empty 'output'; scoring needs at least one token of the reference answer or "
+                "text."
             )
         metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
         if lengths[0] == 0:
+            row = next(row for row, sample in numbered if not sample.contexts)
             raise ValueError(
-                f"{task} has samples with no contexts; scoring compares memory with the full context, so every sample "
+                f"{task}:{row} has no contexts; scoring compares memory with the full context, so every sample "
                 "needs at least one."
             )
         chosen = sorted(set(args.steps or lengths))
         missing = [t for t in chosen if t not in lengths]
         if missing:
             raise ValueError(f"{task} has no sample with {missing} contexts; it has samples with {lengths}.")
-        return [("own", t, [s for s in own if len(s.contexts) == t][: args.samples], metric) for t in chosen]
+        sets = []
+        for t in chosen:
+            picked = [(row, sample) for row, sample in numbered if len(sample.contexts) == t][: args.samples]
+            sets.append(("own", t, [sample for _, sample in picked], metric, [row for row, _ in picked]))
+        return sets
     if task not in TASKS:
         raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}.")
     return [
@@ -400,6 +410,7 @@ def _evaluation_sets(
             t,
             make_samples(task, "test", args.samples, seed=args.seed, steps=t, wordings=wordings, tokenizer=tokenizer),
             METRIC[task],
+            None,
         )
         for wordings in (("seen", "unseen") if has_unseen_wordings(task) else ("seen",))
         for t in args.steps or EVAL_STEPS[task]
@@ -520,7 +531,7 @@ def _check_same_samples(
     may differ by a near tie, and refuse the right base."""
     import torch
 
-    task, wordings, steps, samples, _ = sample_set
+    task, wordings, steps, samples, _, _ = sample_set
     stored = next(
         r
         for r in rows
@@ -634,12 +645,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         ]
     # Every set before any is scored: a sample the model cannot take (a token id past its vocabulary, a prompt past its
     # positions) failed once the sets before it had been scored, named by its place in its set alone.
-    for task, wordings, steps, samples, metric in sample_sets:
+    for task, wordings, steps, samples, metric, lines in sample_sets:
         try:
             check_samples(reference, tokenizer, samples, "full_context", metric)  # the longest prompts of all methods
         except ValueError as error:
-            place = f", samples[i] its i-th sample with {steps} contexts, from 0" if wordings == "own" else ""
-            raise ValueError(f"{task} ({wordings}, t={steps}{place}): {error}") from None
+            if lines is not None:  # a sample of a file, by its line, as ccm train names it
+                raise _in_file_rows(error, {"samples": (task, lines)}) from None
+            raise ValueError(f"{task} ({wordings}, t={steps}): {error}") from None
     baselines = (
         [] if args.add_to else [("no_context", reference, "no_context"), ("full_context", reference, "full_context")]
     )
@@ -654,12 +666,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     added = []
 
     def no_context_scores(sample_set: SampleSet) -> list[tuple[float, int]]:
-        _, _, _, samples, metric = sample_set
+        _, _, _, samples, metric, _ = sample_set
         score = score_samples(reference, tokenizer, samples, "no_context", metric, batch_size=args.batch_size)
         return score.per_sample
 
     for sample_set in sample_sets:
-        task, wordings, steps, samples, metric = sample_set
+        task, wordings, steps, samples, metric, _ = sample_set
         if args.add_to:
             _check_same_samples(results, sample_set, base, no_context_scores, args.add_to)
         digest = _samples_digest(samples)
