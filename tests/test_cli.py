@@ -1,5 +1,6 @@
 """The ccm command end to end on a tiny model that shares the embedded model's tokenizer."""
 
+import argparse
 import io
 import itertools
 import json
@@ -946,6 +947,36 @@ def test_train_reads_its_jsonl_files_before_the_model_loads(tiny_model, tmp_path
     main(["train", "--model", tiny_model, "--task", "icl", "--steps", "1", "--batch-size", "1", "--output-dir", "out"])
     trained_on = json.loads(Path("out", "ccm_config.json").read_text())["trained_on"]
     assert trained_on == "transformers-ccm built-in task 'icl'"
+
+
+@pytest.mark.parametrize("name", ["icl", "mixture", "icl:1,dialogue:1", "text"])
+def test_a_built_in_tasks_name_means_the_task_whatever_files_the_folder_holds(tmp_path, capsys, monkeypatch, name):
+    """A file in the working folder named like a built-in task was read in its place, by ccm train and ccm eval:
+    the same command scored or trained on other samples in another folder. A path names the file."""
+    from transformers_ccm.cli import _evaluation_sets, _is_file, _load_samples
+    from transformers_ccm.tasks import load_jsonl, load_jsonl_rows, make_samples, save_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    save_jsonl(make_samples("dialogue", "test", 2, steps=1), name)
+    wanted = argparse.Namespace(samples=2, seed=0, steps=[1])
+    by_path = _evaluation_sets(f"./{name}", wanted, None)
+    assert [(w, t, samples, lines) for w, t, samples, _, lines in by_path] == [("own", 1, load_jsonl(name), [1, 2])]
+    assert _load_samples(f"./{name}", "train", 2, 0, lambda: None, 4) == load_jsonl_rows(name)
+    if name == "text":  # cut from the Python reference with the model's tokenizer (seconds to load and cut)
+        assert not _is_file(name)
+        return
+    assert _load_samples(name, "train", 2, 0, lambda: None, 4) == (make_samples(name, "train", 2), None)
+    if name == "icl":
+        assert [(w, samples) for w, _, samples, _, _ in _evaluation_sets(name, wanted, None)] == [
+            ("seen", make_samples("icl", "test", 2, steps=1, wordings="seen")),
+            ("unseen", make_samples("icl", "test", 2, steps=1, wordings="unseen")),
+        ]
+        return
+    with pytest.raises(SystemExit) as exit_info:  # ccm eval scores no mixture, even where a file has its name
+        main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", "--tasks", name])
+    assert exit_info.value.code == 2
+    assert f"got {name!r} (for the file {name}, write ./{name})" in capsys.readouterr().err
+    assert not Path("out").exists()
 
 
 def test_train_names_the_file_and_line_of_a_sample_the_model_refuses(tiny_model, tmp_path, capsys, monkeypatch):

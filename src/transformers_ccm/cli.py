@@ -94,8 +94,19 @@ def _in_file_rows(error: ValueError, rows: dict[str, tuple[str | None, list[int]
 
 
 def _is_file(task: str) -> bool:
-    """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task."""
-    return task.endswith(".jsonl") or os.path.isfile(task)  # a folder named like a built-in task is not a file
+    """Whether `--task`/`--tasks` names a JSONL file of the user's samples rather than a built-in task. A built-in
+    task's name (a mixture's too) always means the task, in `ccm train` and `ccm eval` alike, whatever files the
+    working folder holds; a file of that name is given as a path (`./icl`)."""
+    from transformers_ccm.tasks import mixture_weights
+    from transformers_ccm.tasks.text import TEXT_TASKS
+
+    if task in TEXT_TASKS:
+        return False
+    try:
+        mixture_weights(task)
+    except ValueError:  # not a task: a file (a folder named `x.jsonl` is refused as one, not taken for a task)
+        return task.endswith(".jsonl") or os.path.isfile(task)
+    return False
 
 
 def _load_samples(
@@ -403,7 +414,9 @@ def _evaluation_sets(
             sets.append(("own", t, [sample for _, sample in picked], metric, [row for row, _ in picked]))
         return sets
     if task not in TASKS:
-        raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}.")
+        # A mixture's name means the mixture, which ccm eval does not score, even where a file has that name.
+        file = f" (for the file {task}, write ./{task})" if os.path.isfile(task) else ""
+        raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}{file}.")
     return [
         (
             wordings,
@@ -1029,7 +1042,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixture",
         help="icl | personalization | dialogue | chat | document | people | grouping | mixture (the first five) | a "
         "weighted mixture such as icl:3,dialogue:1 | text (the Python reference, for streaming) | text-varied (the "
-        "reference and the standard library's docstrings, for streaming) | or a JSONL file",
+        "reference and the standard library's docstrings, for streaming) | or a JSONL file (./icl for a file named "
+        "like a task)",
     )
     train.add_argument(
         "--compress-chunk",
@@ -1156,7 +1170,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help=f"default: {' '.join(_EVAL_TASKS)}; also: chat (long replies), document (general text), people (who is "
-        "who among several people), grouping (ICL in open forms), or JSONL files of your own samples",
+        "who among several people), grouping (ICL in open forms), or JSONL files of your own samples (./icl for a "
+        "file named like a task)",
     )
     evaluate.add_argument(
         "--steps", nargs="+", type=int, default=None, help="time steps (default: the paper's; a file: all it has)"
