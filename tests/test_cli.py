@@ -565,6 +565,30 @@ def test_eval_checks_every_sample_set_before_scoring_any(tiny_model, adapter, tm
     assert f"{own}:7: contexts[1] holds the token id 1000000000, outside the model's vocabulary" in captured.err
 
 
+@pytest.mark.parametrize(
+    ("contexts", "question", "message"),
+    [
+        ([[5], [5] * 2047], [6], ":2: contexts[1] holds 2047 tokens, which with its 2 <COMP> tokens pass the model's"),
+        ([[5]], [6] * 2048, ":2: its input and longest output or choice hold 2049 tokens, past the model's 2048"),
+    ],
+)
+def test_eval_refuses_a_piece_memory_cannot_run_before_scoring_any(
+    tiny_model, adapter, tmp_path, capsys, contexts, question, message
+):
+    """A context too long to compress with its <COMP> tokens within the model's positions (an input and answer too
+    long to run after memory) fit the full-context check of a rotary model: it failed inside compress() once both
+    baselines had been scored, naming neither the file nor the line."""
+    own = tmp_path / "own.jsonl"
+    fits = {"contexts": [[5], [5]], "input": [6], "output": [7]}
+    own.write_text(json.dumps(fits) + "\n" + json.dumps({"contexts": contexts, "input": question, "output": [7]}))
+    arguments = ["eval", "--model", tiny_model, "--adapters", adapter, "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--tasks", str(own)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "" and not (tmp_path / "out").exists()
+    assert f"{own}{message}" in captured.err
+
+
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path, capsys):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))

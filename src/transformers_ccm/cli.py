@@ -660,7 +660,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     # positions) failed once the sets before it had been scored, named by its place in its set alone.
     for task, wordings, steps, samples, metric, lines in sample_sets:
         try:
-            check_samples(reference, tokenizer, samples, "full_context", metric)  # the longest prompts of all methods
+            for method in ("full_context", "ccm"):  # the longest prompts of all methods, and the pieces memory runs
+                check_samples(reference, tokenizer, samples, method, metric)
         except ValueError as error:
             if lines is not None:  # a sample of a file, by its line, as ccm train names it
                 raise _in_file_rows(error, {"samples": (task, lines)}) from None

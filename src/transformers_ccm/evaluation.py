@@ -152,10 +152,12 @@ def check_samples(
 ) -> tuple[list[list[list[int]]], list[list[int]]]:
     """Raise, naming the sample (`samples[i]`), unless `method` can score every one of `samples` by `metric`; return
     the token ids of each sample's contexts and of its input. `score_samples` runs it before anything is scored, and
-    `ccm eval` on every sample set before any is: full context checks the longest prompts of all methods."""
+    `ccm eval` on every sample set before any is: full context checks the longest prompts of all methods, "ccm" that
+    memory can run each piece of a sample (a context, the input and an answer) within the model's positions."""
     # Every id is checked against the vocabulary before anything runs (the plain-prompt methods bypass the checks of
     # compress and the online forward).
     vocabulary = model.vocabulary_size
+    most = getattr(model.base_model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     for i, sample in enumerate(samples):
         check_sample(sample, f"samples[{i}]")
     histories = [
@@ -205,7 +207,28 @@ def check_samples(
         history = sum(map(len, histories[i])) if method != "no_context" else 0
         longest = max(map(len, candidates), default=0)
         check_position_limit(history + len(questions[i]) + longest, model.absolute_position_limit, f"samples[{i}]")
+        if method == "ccm" and most is not None:
+            _check_memory_pieces(histories[i], len(questions[i]) + longest, most, model.config.num_comp_tokens, i)
     return histories, questions
+
+
+def _check_memory_pieces(contexts: list[list[int]], answer: int, most: int, comp: int, index: int) -> None:
+    """Raise, naming `samples[index]`, unless memory can run each piece of it within a model's `most` positions: each
+    context with its `comp` <COMP> tokens in one forward, and the input with its longest answer (`answer` tokens) in
+    another. Positions are re-based between pieces, not within one: a longer piece failed inside compress() once every
+    baseline had been scored."""
+    longest = max(range(len(contexts)), key=lambda j: len(contexts[j]), default=None)
+    if longest is not None and len(contexts[longest]) + comp > most:
+        raise ValueError(
+            f"samples[{index}].contexts[{longest}] holds {len(contexts[longest])} tokens, which with its {comp} <COMP> "
+            f"tokens pass the model's {most} positions (memory compresses a context in one forward); split it into "
+            f"contexts of at most {most - comp} tokens."
+        )
+    if answer > most:
+        raise ValueError(
+            f"samples[{index}]: its input and longest output or choice hold {answer} tokens, past the model's {most} "
+            "positions (memory runs them in one forward after its history); shorten them."
+        )
 
 
 @torch.no_grad()
