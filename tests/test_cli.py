@@ -463,6 +463,11 @@ def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adap
         # Each scored again, every row written twice into eval.json.
         (["--tasks", "icl", "icl"], "--tasks names a task more than once: ['icl', 'icl']"),
         (["--tasks", "icl", "--steps", "1", "2", "1"], "--steps names a time step more than once: [1, 2, 1]"),
+        (
+            ["--tasks", "empty-output.jsonl", "icl", "./empty-output.jsonl"],
+            "names one file twice, as empty-output.jsonl ",
+        ),
+        (["--tasks", "link.jsonl", "no-contexts.jsonl"], "as link.jsonl and as no-contexts.jsonl; name it once."),
     ],
 )
 def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
@@ -472,6 +477,7 @@ def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, 
     Path("no-contexts.jsonl").write_text(good + '{"contexts": [], "input": "Bob likes", "output": " coffee"}\n')
     Path("empty-output.jsonl").write_text(good + '{"contexts": ["Bob."], "input": "Bob likes", "output": ""}')
     Path("no-output.jsonl").write_text(good + '{"contexts": ["Bob likes coffee."], "input": "Bob likes"}\n')
+    Path("link.jsonl").symlink_to("no-contexts.jsonl")
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -595,6 +595,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ):
         if listed is not None and len(set(listed)) != len(listed):
             raise ValueError(f"--{flag} names {what} more than once: {listed}.")
+    # So was a file named in two ways (mine.jsonl, ./mine.jsonl, its absolute path or a link to it).
+    files = [task for task in args.tasks or () if _is_file(task)]
+    again = next(
+        ((a, b) for i, b in enumerate(files) for a in files[:i] if os.path.realpath(a) == os.path.realpath(b)), None
+    )
+    if again is not None:
+        raise ValueError(f"--tasks names one file twice, as {again[0]} and as {again[1]}; name it once.")
     # Before any model loads: --batch-size 0 failed in range(), --samples 0 as "no samples", and --steps 0 (no
     # memory, no full context to compare with) only once every sample was scored, dividing by zero in the summary.
     _check_counts(args, ["samples", "batch_size"])
