@@ -460,6 +460,8 @@ def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adap
         # Scored as nan, then 'Data cannot be log-scaled' in the plot, once every model had run.
         (["--tasks", "empty-output.jsonl"], "empty-output.jsonl:3 has an empty 'output'"),
         (["--tasks", "no-output.jsonl"], "no-output.jsonl:3 has no 'output'; every sample to score needs one"),
+        # Scored by perplexity, the choices of every other sample ignored.
+        (["--tasks", "some-choices.jsonl"], "some-choices.jsonl:1 lists no choices, while some-choices.jsonl:3 does"),
         # Each scored again, every row written twice into eval.json.
         (["--tasks", "icl", "icl"], "--tasks names a task more than once: ['icl', 'icl']"),
         (["--tasks", "icl", "--steps", "1", "2", "1"], "--steps names a time step more than once: [1, 2, 1]"),
@@ -478,6 +480,10 @@ def test_eval_refuses_counts_below_one_before_the_model_loads(tmp_path, capsys, 
     Path("empty-output.jsonl").write_text(good + '{"contexts": ["Bob."], "input": "Bob likes", "output": ""}')
     Path("no-output.jsonl").write_text(good + '{"contexts": ["Bob likes coffee."], "input": "Bob likes"}\n')
     Path("link.jsonl").symlink_to("no-contexts.jsonl")
+    choices = (
+        '{"contexts": ["Bob likes coffee."], "input": "Bob likes", "output": " coffee", "choices": [" tea", " coffee"]}'
+    )
+    Path("some-choices.jsonl").write_text(good + choices)
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "--model", "no-model", "--adapters", "no-adapter", "--output-dir", "out", *arguments])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

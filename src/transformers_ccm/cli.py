@@ -379,7 +379,7 @@ def _evaluation_sets(
     """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric, lines): a built-in task per
     wording set and time step, its chat wordings in `tokenizer`'s chat template (ChatML without one); a JSONL file of
     your own samples grouped by their number of contexts (wording set "own"), by accuracy where every sample lists its
-    choices, by perplexity otherwise, with the line of each sample in the file (None for a built-in task)."""
+    choices, by perplexity where none does, with the line of each sample in the file (None for a built-in task)."""
     from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl_rows, make_samples
 
     if _is_file(task):
@@ -396,7 +396,16 @@ def _evaluation_sets(
                 f"{task}:{empty} has an empty 'output'; scoring needs at least one token of the reference answer or "
                 "text."
             )
-        metric = "accuracy" if all(sample.choices for sample in own) else "perplexity"
+        # A file whose samples list choices but for one was scored by perplexity whole, every choice ignored.
+        listed = [row for row, sample in numbered if sample.choices]
+        if listed and len(listed) < len(own):
+            unlisted = next(row for row, sample in numbered if not sample.choices)
+            raise ValueError(
+                f"{task}:{unlisted} lists no choices, while {task}:{listed[0]} does; a file is scored by accuracy "
+                "when every sample lists its choices, by perplexity when none does: list them on every line or on "
+                "none, or give the two kinds as two files."
+            )
+        metric = "accuracy" if listed else "perplexity"
         lengths = sorted({len(sample.contexts) for sample in own})
         if lengths[0] == 0:
             row = next(row for row, sample in numbered if not sample.contexts)
