@@ -94,6 +94,12 @@ def _log_score(per_sample: Sequence[Sequence[float]], metric: str, index: torch.
     return ratio if metric == "accuracy" else -ratio
 
 
+def _metric_value(per_sample: Sequence[Sequence[float]], metric: str) -> float:
+    """The accuracy or perplexity of all the samples, as a report gives it."""
+    score = _log_score(per_sample, metric).item()
+    return score if metric == "accuracy" else math.exp(-score)
+
+
 def value_interval(per_sample: Sequence[Sequence[float]], metric: str) -> tuple[float, float]:
     """The 95% interval of an accuracy (Wilson) or a perplexity (percentile bootstrap over samples)."""
     if metric == "accuracy":
@@ -335,13 +341,12 @@ def score_samples(
                 best = max(scores[row])
                 winners = [index for index, score in enumerate(scores[row]) if score == best]
                 per_sample[indices[row]] = (1 / len(winners) if answers[row] in winners else 0.0, 1)
-    score = _log_score(per_sample, metric).item()
     low, high = value_interval(per_sample, metric)
     return MethodScore(
         method=method,
         steps=len(samples[0].contexts),
         metric=metric,
-        value=score if metric == "accuracy" else math.exp(-score),
+        value=_metric_value(per_sample, metric),
         low=low,
         high=high,
         context_kv_tokens=context_tokens / len(samples),
@@ -470,8 +475,7 @@ def _check_row(row: object, number: int) -> None:
             f"{where}: per_sample must hold pairs of "
             + ("(credit in [0, 1], 1)" if metric == "accuracy" else "(output NLL >= 0, output tokens >= 1)")
         )
-    score = _log_score(values, metric).item()
-    value = score if metric == "accuracy" else math.exp(-score)
+    value = _metric_value(values, metric)
     if not math.isclose(row["value"], value, rel_tol=1e-9):
         raise ValueError(f"{where}: value {row['value']!r} is not that of its per_sample, {value!r}")
     if not (row["low"] <= row["high"] and row["context_kv_tokens"] >= 0):
