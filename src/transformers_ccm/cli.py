@@ -374,58 +374,16 @@ def _refuse_baselines(models: dict[str, CCMForCausalLM], fix: str) -> None:
 
 
 def _evaluation_sets(
-    task: str, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None
+    task: str, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
 ) -> list[tuple[str, int, list[OnlineSample], str, list[int] | None]]:
     """What `ccm eval` scores for `task`, as (wording set, time step, samples, metric, lines): a built-in task per
-    wording set and time step, its chat wordings in `tokenizer`'s chat template (ChatML without one); a JSONL file of
-    your own samples grouped by their number of contexts (wording set "own"), by accuracy where every sample lists its
-    choices, by perplexity where none does, with the line of each sample in the file (None for a built-in task)."""
-    from transformers_ccm.tasks import EVAL_STEPS, METRIC, TASKS, has_unseen_wordings, load_jsonl_rows, make_samples
+    wording set and time step, its chat wordings in `tokenizer`'s chat template, with no lines; a JSONL file as
+    `_file_sets` gives it."""
+    from transformers_ccm.tasks import EVAL_STEPS, METRIC, has_unseen_wordings, make_samples
 
     if _is_file(task):
-        own, rows = load_jsonl_rows(task)
-        numbered = list(zip(rows, own, strict=True))
-        no_output = next((row for row, sample in numbered if sample.output is None), None)
-        if no_output is not None:
-            raise ValueError(
-                f"{task}:{no_output} has no 'output'; every sample to score needs one (the reference answer or text)."
-            )
-        empty = next((row for row, sample in numbered if not sample.output), None)
-        if empty is not None:
-            raise ValueError(
-                f"{task}:{empty} has an empty 'output'; scoring needs at least one token of the reference answer or "
-                "text."
-            )
-        # A file whose samples list choices but for one was scored by perplexity whole, every choice ignored.
-        listed = [row for row, sample in numbered if sample.choices]
-        if listed and len(listed) < len(own):
-            unlisted = next(row for row, sample in numbered if not sample.choices)
-            raise ValueError(
-                f"{task}:{unlisted} lists no choices, while {task}:{listed[0]} does; a file is scored by accuracy "
-                "when every sample lists its choices, by perplexity when none does: list them on every line or on "
-                "none, or give the two kinds as two files."
-            )
-        metric = "accuracy" if listed else "perplexity"
-        lengths = sorted({len(sample.contexts) for sample in own})
-        if lengths[0] == 0:
-            row = next(row for row, sample in numbered if not sample.contexts)
-            raise ValueError(
-                f"{task}:{row} has no contexts; scoring compares memory with the full context, so every sample "
-                "needs at least one."
-            )
-        chosen = sorted(set(args.steps or lengths))
-        missing = [t for t in chosen if t not in lengths]
-        if missing:
-            raise ValueError(f"{task} has no sample with {missing} contexts; it has samples with {lengths}.")
-        sets = []
-        for t in chosen:
-            picked = [(row, sample) for row, sample in numbered if len(sample.contexts) == t][: args.samples]
-            sets.append(("own", t, [sample for _, sample in picked], metric, [row for row, _ in picked]))
-        return sets
-    if task not in TASKS:
-        # A mixture's name means the mixture, which ccm eval does not score, even where a file has that name.
-        file = f" (for the file {task}, write ./{task})" if os.path.isfile(task) else ""
-        raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}{file}.")
+        return _file_sets(task, args)
+    _check_eval_task(task)
     return [
         (
             wordings,
@@ -437,6 +395,62 @@ def _evaluation_sets(
         for wordings in (("seen", "unseen") if has_unseen_wordings(task) else ("seen",))
         for t in args.steps or EVAL_STEPS[task]
     ]
+
+
+def _check_eval_task(task: str) -> None:
+    """Raise unless `task`, not a file, is a built-in task `ccm eval` scores."""
+    from transformers_ccm.tasks import TASKS
+
+    if task not in TASKS:
+        # A mixture's name means the mixture, which ccm eval does not score, even where a file has that name.
+        file = f" (for the file {task}, write ./{task})" if os.path.isfile(task) else ""
+        raise ValueError(f"--tasks takes built-in tasks {sorted(TASKS)} or JSONL files; got {task!r}{file}.")
+
+
+def _file_sets(task: str, args: argparse.Namespace) -> list[tuple[str, int, list[OnlineSample], str, list[int]]]:
+    """What `ccm eval` scores of the JSONL file `task`, as (wording set "own", time step, samples, metric, the line of
+    each sample): its samples grouped by their number of contexts, by accuracy where every sample lists its choices,
+    by perplexity where none does."""
+    from transformers_ccm.tasks import load_jsonl_rows
+
+    own, rows = load_jsonl_rows(task)
+    numbered = list(zip(rows, own, strict=True))
+    no_output = next((row for row, sample in numbered if sample.output is None), None)
+    if no_output is not None:
+        raise ValueError(
+            f"{task}:{no_output} has no 'output'; every sample to score needs one (the reference answer or text)."
+        )
+    empty = next((row for row, sample in numbered if not sample.output), None)
+    if empty is not None:
+        raise ValueError(
+            f"{task}:{empty} has an empty 'output'; scoring needs at least one token of the reference answer or text."
+        )
+    # A file whose samples list choices but for one was scored by perplexity whole, every choice ignored.
+    listed = [row for row, sample in numbered if sample.choices]
+    if listed and len(listed) < len(own):
+        unlisted = next(row for row, sample in numbered if not sample.choices)
+        raise ValueError(
+            f"{task}:{unlisted} lists no choices, while {task}:{listed[0]} does; a file is scored by accuracy "
+            "when every sample lists its choices, by perplexity when none does: list them on every line or on "
+            "none, or give the two kinds as two files."
+        )
+    metric = "accuracy" if listed else "perplexity"
+    lengths = sorted({len(sample.contexts) for sample in own})
+    if lengths[0] == 0:
+        row = next(row for row, sample in numbered if not sample.contexts)
+        raise ValueError(
+            f"{task}:{row} has no contexts; scoring compares memory with the full context, so every sample "
+            "needs at least one."
+        )
+    chosen = sorted(set(args.steps or lengths))
+    missing = [t for t in chosen if t not in lengths]
+    if missing:
+        raise ValueError(f"{task} has no sample with {missing} contexts; it has samples with {lengths}.")
+    sets = []
+    for t in chosen:
+        picked = [(row, sample) for row, sample in numbered if len(sample.contexts) == t][: args.samples]
+        sets.append(("own", t, [sample for _, sample in picked], metric, [row for row, _ in picked]))
+    return sets
 
 
 # (task, wording set, time step, count, longest full-context prompt in tokens, metric) of a report's sample set
@@ -630,13 +644,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
     # The report's plot is drawn last: without matplotlib, fail now rather than once every model has run.
     figure()
     results: list[dict] = []
+    file_sets: dict[str, list] = {}  # JSONL files read once, before any model loads, as a bad one is refused
     if args.add_to:
         results, drawn = _earlier_report(args.add_to)
     else:
         defaults = {"tasks": _EVAL_TASKS, "samples": _EVAL_SAMPLES}
         args = argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
-        for task in args.tasks:  # a bad task or file is refused before any model loads
-            _evaluation_sets(task, args, None)
+        for task in args.tasks:
+            if _is_file(task):
+                file_sets[task] = _file_sets(task, args)
+            else:
+                _check_eval_task(task)
     loaded = [(adapter, *_load_ccm(adapter, args.model, args.device)) for adapter in args.adapters]
     _refuse_baselines(
         {adapter: model for adapter, model, _ in loaded}, "pass it as --full-context-adapter, the upper bound"
@@ -670,7 +688,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         sample_sets = _draw_again(drawn, reference, tokenizer, args.seed, args.add_to)
     else:
         sample_sets = [
-            (task, *sample_set) for task in args.tasks for sample_set in _evaluation_sets(task, args, tokenizer)
+            (task, *sample_set)
+            for task in args.tasks
+            for sample_set in file_sets.get(task) or _evaluation_sets(task, args, tokenizer)
         ]
     # Every set before any is scored: a sample the model cannot take (a token id past its vocabulary, a prompt past its
     # positions) failed once the sets before it had been scored, named by its place in its set alone.
