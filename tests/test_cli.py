@@ -601,6 +601,22 @@ def test_eval_refuses_a_piece_memory_cannot_run_before_scoring_any(
     assert f"{own}{message}" in captured.err
 
 
+def test_eval_checks_the_pieces_of_every_adapters_memory_before_scoring_any(tiny_model, adapter, tmp_path, capsys):
+    """A context that fits the first adapter's 2 <COMP> tokens within the model's 2048 positions but not a later
+    adapter's 4 was checked against the first adapter alone: it failed inside the later one's compress(), once the
+    baselines and the first adapter had been scored, naming `samples[0]` rather than the file and line."""
+    more_slots = tmp_path / "four-slots"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig(num_comp_tokens=4)).save_pretrained(more_slots)
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"contexts": [[5] * 2045], "input": [6], "output": [7]}) + "\n")
+    arguments = ["eval", "--model", tiny_model, "--tasks", str(own), "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--adapters", adapter, str(more_slots)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "" and not (tmp_path / "out").exists()
+    assert f"{own}:1: contexts[0] holds 2045 tokens, which with its 4 <COMP> tokens pass the model's" in captured.err
+
+
 def test_eval_keeps_two_adapters_with_the_same_update_rule(tiny_model, adapter, tmp_path, capsys):
     second = tmp_path / "second"
     shutil.copytree(adapter, second, ignore=shutil.ignore_patterns("checkpoint-*"))

@@ -696,8 +696,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     # positions) failed once the sets before it had been scored, named by its place in its set alone.
     for task, wordings, steps, samples, metric, lines in sample_sets:
         try:
-            for method in ("full_context", "ccm"):  # the longest prompts of all methods, and the pieces memory runs
-                check_samples(reference, tokenizer, samples, method, metric)
+            # The longest prompts of all methods, and the pieces each adapter's memory runs: adapters differ in their
+            # <COMP> count, and a context that fit the first one's failed inside a later one's compress(), once the
+            # baselines and the adapters before it had been scored.
+            for checked, method in [(reference, "full_context"), *((model, "ccm") for model in models.values())]:
+                check_samples(checked, tokenizer, samples, method, metric)
         except ValueError as error:
             if lines is not None:  # a sample of a file, by its line, as ccm train names it
                 raise _in_file_rows(error, {"samples": (task, lines)}) from None
