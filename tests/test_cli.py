@@ -812,6 +812,27 @@ def test_eval_add_to_refuses_full_contexts_past_the_models_positions_before_draw
     assert "past the 2048 positions of the base model" in error and not (tmp_path / "out").exists()
 
 
+def test_eval_adds_an_adapter_to_a_report_of_a_file_whose_full_contexts_pass_the_models_positions(
+    tiny_model, adapter, tmp_path, capsys
+):
+    """ccm eval scores a file's full contexts past a rotary model's positions (2048 here); --add-to refused the report
+    it wrote, asking for the --model of that report, which was this one. A file's samples are read from it, so the
+    report's counts draw nothing."""
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"contexts": [[5] * 1100, [9] * 1100], "input": [6], "output": [7, 8]}) + "\n")
+    arguments = ["eval", "--model", tiny_model, "--output-dir"]
+    main([*arguments, str(tmp_path / "first"), "--adapters", adapter, "--tasks", str(own)])
+    second = tmp_path / "second"
+    CCMForCausalLM.from_base(tiny_model, CCMConfig(num_comp_tokens=1)).save_pretrained(second)
+    main([*arguments, str(tmp_path / "joint"), "--adapters", str(second), "--add-to", str(tmp_path / "first")])
+    rows = json.loads((tmp_path / "joint" / "eval.json").read_text())["results"]
+    assert [(row["method"], row["peak_kv_tokens"]) for row in rows if row["method"] != "no_context"] == [
+        ("full_context", 2203),  # the whole history, input and output as one prompt
+        ("ccm-concat", 1104),  # a context with the memory and <COMP> tokens of the adapter's 2 slots
+        (f"ccm-concat:{second}", 1102),
+    ]
+
+
 def test_eval_add_to_refuses_sample_sets_ccm_eval_never_scores_before_scoring(tiny_model, adapter, tmp_path, capsys):
     """A set of a report edited by hand that ccm eval never draws (a built-in task's samples as a file's own, a task
     scored by another metric, a task that is none) was left out of the new adapter's scores without a word, or scored

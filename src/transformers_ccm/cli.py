@@ -491,14 +491,17 @@ def _draw_again(
     drawn: list[Drawn], model: CCMForCausalLM, tokenizer: PreTrainedTokenizerBase, seed: int, folder: str
 ) -> list[SampleSet]:
     """The sample sets of a report (`drawn` as `_earlier_report` gives them), drawn again as its run drew them
-    (same task, wording set, time step and count, with `seed`), once its full-context prompts were found to fit
-    `model`'s positions: a report claiming ten million contexts per sample (and as many tokens) was drawn for
-    hours before anything could tell it apart from the real one."""
+    (same task, wording set, time step and count, with `seed`), once a built-in task's full-context prompts were
+    found to fit `model`'s positions: a report claiming ten million contexts per sample (and as many tokens) was drawn
+    for hours before anything could tell it apart from the real one."""
     config = model.base_model.config.get_text_config(decoder=True)
     limit = model.absolute_position_limit or getattr(config, "max_position_embeddings", None)
-    # ccm eval ran each full-context prompt whole through the base, at positions 0 .. its length - 1
+    # ccm eval ran each full-context prompt whole through the base, at positions 0 .. its length - 1. A file's samples
+    # are read from it, no more than it holds, whatever its report claims: only a built-in task's are drawn by the
+    # report's counts. The report of a file whose full contexts pass a rotary model's positions, which ccm eval scores,
+    # was refused here, asking for another --model than the one that wrote it.
     for task, wordings, steps, _, peak, _ in drawn:
-        if limit is not None and peak > limit:
+        if limit is not None and peak > limit and not _is_file(task):
             raise ValueError(
                 f"--add-to {folder}: {task} ({wordings}, t={steps}) held full contexts of {peak} tokens, past the "
                 f"{limit} positions of the base model that --adapters run on; give the --model of that report, or "
