@@ -258,6 +258,7 @@ def test_ccm_train_refuses_a_bad_task_or_file_before_the_tokenizer_loads(tmp_pat
     bad.write_text('{"contexts": ["c"], "input": 5}\n')
     for arguments, message in (
         (["--task", "qa"], "Unknown task 'qa'"),
+        (["--task", "txt"], "ccm train also takes text or text-varied"),
         (["--task", "icl:2,qa:1"], "Unknown task 'qa'"),
         (["--task", "icl", "--eval-task", str(bad)], "bad.jsonl:1: 'input' must be a string"),
         (["--task", str(bad), "--eval-task", "dialogue"], "bad.jsonl:1: 'input' must be a string"),

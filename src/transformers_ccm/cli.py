@@ -145,7 +145,11 @@ def _load_samples(
             tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
         )
         return samples, None
-    mixture_weights(task)  # an unknown task is refused before the tokenizer loads
+    try:
+        mixture_weights(task)  # an unknown task is refused before the tokenizer loads
+    except ValueError as error:  # the tasks module knows nothing of the long-text tasks ccm train takes too
+        texts = " or ".join(TEXT_TASKS)
+        raise ValueError(f"{error} ccm train also takes {texts} (long text, for streaming).") from None
     # Chat wordings in the model's chat template, as `ccm chat` talks to it.
     return make_samples(task, split, count, seed=seed, tokenizer=tokenizer()), None
 
