@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tiny_models import VOCAB, confident_tiny_llama, randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
@@ -86,25 +86,26 @@ def test_train_refuses_streaming_settings_it_cannot_train_with_before_the_first_
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    architecture=st.sampled_from(["llama", "qwen2", "gemma2", "gpt-neox"]),
+    architecture=st.sampled_from(["llama", "qwen2", "gemma2", "gemma3", "gpt-neox"]),
     update=st.sampled_from(["concat", "merge"]),
     chunk=st.integers(2, 5),
     piece=st.integers(1, 6),
     sink=st.integers(0, 3),
-    extra=st.integers(0, 1),
-    pieces=st.integers(1, 8),
+    extra_window=st.integers(0, 8),
+    tail=st.integers(1, 16),
     keep_window_full=st.booleans(),
     batch=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
+# The defaults' shape: the sink and window fill ends inside a piece (152 tokens, 9.5 pieces of 16), and so does the
+# final token. Training began its pieces after the fill and ended them before that token: every compression came at
+# other tokens than stream-eval's, and the loss was not the perplexity it reports.
+@example("llama", "concat", 4, 4, 2, 4, 9, True, 1, 0)
 def test_the_loss_is_the_streamed_perplexity_of_stream_eval(
-    architecture, update, chunk, piece, sink, extra, pieces, keep_window_full, batch, seed
+    architecture, update, chunk, piece, sink, extra_window, tail, keep_window_full, batch, seed
 ):
-    # Sink and window fill in whole pieces, so the evaluation's pieces from token 0 are training's after them; the
-    # window takes a chunk and a piece at once (`max_forward_tokens`).
-    fill = (-(-(chunk + piece - 1 + sink) // piece) + extra) * piece
     streaming = StreamingConfig(
-        window_tokens=fill - sink,
+        window_tokens=chunk + extra_window,
         sink_tokens=sink,
         compress_chunk=chunk,
         max_memory_tokens=4,
@@ -112,7 +113,7 @@ def test_the_loss_is_the_streamed_perplexity_of_stream_eval(
     )
     model = tiny_ccm(architecture, update=update)
     warm = tokens_before_compression(streaming)
-    ids = torch.randint(3, VOCAB, (batch, warm + pieces * piece + 1), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(3, VOCAB, (batch, warm + 1 + tail), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         loss = stream_loss(model, StreamCollator(streaming)(ids.tolist()), streaming, piece=piece)
     expected = [stream_nll(model, row, streaming, piece=piece).token_nll[warm:] for row in ids]

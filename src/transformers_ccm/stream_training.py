@@ -3,11 +3,12 @@
 The parallel layout (`CCMDataCollator`) compresses each chunk seeing only the memory before it, with no sink
 tokens and positions that never move. A stream differs on all three: it holds `[sink | memory | window]`
 at positions reassigned at every step, and a chunk's keys were computed while it sat in a full window. Here a
-sample, a stretch of text, fills the sink and window without gradients, then goes on in pieces of `piece`
-tokens (as `ccm stream-eval --piece` feeds them), compressing whenever the window must make room. Gradients
-flow through every compression of the stretch (the memory the last piece reads depends on all of them) into
-the `<COMP>` embeddings and the LoRA. The loss is next-token NLL on every token after the first compression,
-and optionally KL to the base model reading the whole stretch as plain text (the teacher that forgets nothing).
+sample, a stretch of text, runs in pieces of `piece` tokens from its first token (as `ccm stream-eval --piece` feeds
+them; the pieces that only fill the sink and window run without gradients), compressing whenever the window must
+make room. Gradients flow through every compression of the stretch (the memory the last piece reads depends on all
+of them) into the `<COMP>` embeddings and the LoRA. The loss is next-token NLL on every token after the first
+compression, and optionally KL to the base model reading the whole stretch as plain text (the teacher that forgets
+nothing).
 """
 
 from __future__ import annotations
@@ -72,23 +73,31 @@ def stream_loss(
     teacher: CCMForCausalLM | None = None,
 ) -> torch.Tensor:
     """NLL (summed over `num_items_in_batch` labels when given, else the mean) of every labelled token of a
-    `StreamCollator` batch, streamed through a fresh cache `piece` tokens per forward after the sink and window
-    fill, plus `distill_weight` times KL(teacher over the whole stretch || streamed model) at the same positions,
-    normalized alike;
-    the teacher is `teacher` reading plain text, by default `model`'s base model (see `distillation`)."""
+    `StreamCollator` batch, streamed through a fresh cache `piece` tokens per forward from the first token (as
+    `stream_evaluation.stream_nll` streams it), plus `distill_weight` times KL(teacher over the whole stretch ||
+    streamed model) at the same positions, normalized alike; the teacher is `teacher` reading plain text, by
+    default `model`'s base model (see `distillation`)."""
     input_ids, labels = batch["input_ids"], batch["labels"]
     warm = tokens_before_compression(streaming)
     cache = model.new_cache(input_ids.shape[0], streaming=streaming)
     cache._keeps_graph = True  # the loss of each piece reaches the compressions of the pieces before
-    with torch.no_grad():  # nothing of the adapter runs before the first compression
-        model(input_ids=input_ids[:, :warm], past_key_values=cache, logits_to_keep=1)
-    pieces = input_ids[:, warm:-1].split(piece, dim=1)
-    logits = torch.cat([model(input_ids=tokens, past_key_values=cache).logits for tokens in pieces], dim=1).float()
+    # The pieces are `stream_nll`'s: `piece` tokens from the stream's first, the last one taking the final token (it
+    # predicts nothing) along where it falls in it. Begun right after the fill (152 tokens by default, 9.5 pieces of
+    # 16) and stopped short of the final token, they made room, and compressed, at other tokens than stream-eval does:
+    # the loss was not the perplexity it measures. The piece that completes the fill also predicts unlabelled tokens.
+    start = warm - warm % piece
+    if start:
+        with torch.no_grad():  # nothing of the adapter runs before the first compression
+            model(input_ids=input_ids[:, :start], past_key_values=cache, logits_to_keep=1)
+    length = input_ids.shape[1]
+    pieces = [input_ids[:, first : first + piece] for first in range(start, length - 1, piece)]
+    every = torch.cat([model(input_ids=tokens, past_key_values=cache).logits for tokens in pieces], dim=1)
+    logits = every[:, warm - start : length - 1 - start].float()
     targets = labels[:, warm + 1 :]
     nll = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     loss = nll / (num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum())
     if distill_weight:
-        streamed = torch.arange(warm, input_ids.shape[1] - 1, device=input_ids.device)
+        streamed = torch.arange(warm, length - 1, device=input_ids.device)
         target = teacher_logits(model, teacher, input_ids, streamed)
         supervised = targets != IGNORE_INDEX
         loss = loss + distill_weight * kl_to_teacher(
