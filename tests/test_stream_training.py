@@ -120,6 +120,18 @@ def test_the_loss_is_the_streamed_perplexity_of_stream_eval(
     assert loss.item() == pytest.approx(sum(map(sum, expected)) / sum(map(len, expected)), rel=1e-4)
 
 
+@pytest.mark.parametrize("piece", [0, -2, 2.0, True, None])
+def test_stream_loss_refuses_a_piece_that_is_not_a_positive_integer(piece):
+    """0 failed on a modulo by zero, -2 on an empty torch.cat, 2.0 and None on bare TypeErrors; True streamed as 1."""
+    batch = StreamCollator(SMALL)(torch.randint(3, VOCAB, (1, 19)).tolist())
+    with pytest.raises(
+        ValueError,
+        match=rf"piece \(TrainingRecipe.stream_piece, ccm train --stream-piece\) must be a "
+        rf"positive integer, got {piece!r}",
+    ):
+        stream_loss(tiny_ccm("llama"), batch, SMALL, piece=piece)
+
+
 def test_gradients_reach_the_adapter_through_the_memory():
     model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))).train()
     ids = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(0))

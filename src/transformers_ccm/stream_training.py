@@ -22,6 +22,7 @@ from transformers_ccm.data import IGNORE_INDEX, token_ids
 from transformers_ccm.distillation import kl_to_teacher, teacher_logits
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.streaming import StreamingConfig
+from transformers_ccm.validation import positive_int
 
 
 def tokens_before_compression(streaming: StreamingConfig) -> int:
@@ -77,6 +78,11 @@ def stream_loss(
     `stream_evaluation.stream_nll` streams it), plus `distill_weight` times KL(teacher over the whole stretch ||
     streamed model) at the same positions, normalized alike; the teacher is `teacher` reading plain text, by
     default `model`'s base model (see `distillation`)."""
+    # 0 failed on a modulo by zero, a negative piece on an empty torch.cat, and True streamed as pieces of 1.
+    if not positive_int(piece):
+        raise ValueError(
+            f"piece (TrainingRecipe.stream_piece, ccm train --stream-piece) must be a positive integer, got {piece!r}."
+        )
     input_ids, labels = batch["input_ids"], batch["labels"]
     warm = tokens_before_compression(streaming)
     cache = model.new_cache(input_ids.shape[0], streaming=streaming)
