@@ -267,3 +267,22 @@ def test_a_stream_no_longer_than_its_budget_has_no_perplexity_after_it(length, p
     if report["perplexity_after_budget"] is None:
         with pytest.raises(ValueError, match=f"none from position {budget} on"):
             result.perplexity(budget)
+
+
+def test_a_resumed_stream_run_is_refused_streams_of_another_length(tmp_path):
+    """A run resumed with longer streams (ccm train --stream-chunks) went on through more compressions per sample, on
+    other stretches of the text, without a word; now it is refused before anything changes, and the same length goes
+    on."""
+    recipe = TrainingRecipe(steps=2, batch_size=1, save_every=1, log_every=1, streaming=SMALL, stream_piece=4)
+    streams = torch.randint(3, VOCAB, (2, 23), generator=torch.Generator().manual_seed(0)).tolist()
+    run = tmp_path / "run"
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    train(model, None, [row[:19] for row in streams], None, run, recipe, stop_at_step=1)
+    files = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    message = r"the streams' length \(ccm train --stream-chunks\): checkpoint 19 vs this run 23\); resume with"
+    with pytest.raises(ValueError, match=message):
+        train(model, None, streams, None, run, recipe, resume=True)
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == files
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert train(model, None, [row[:19] for row in streams], None, run, recipe, resume=True).state.global_step == 2

@@ -234,7 +234,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         streaming.validate(config, None)
     if args.resume:
         try:
-            check_resume(args.output_dir, config, recipe)
+            check_resume(args.output_dir, config, recipe, stream_length=stream_length)
         except ValueError as error:
             raise _in_flags(error) from None
     else:

@@ -398,14 +398,22 @@ def train(
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
     check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
+    stream_length = None
     if recipe.streaming is not None:
         # The sizes against this model's adapter and positions (and rotary embeddings): they failed at the first step.
         model.new_cache(streaming=recipe.streaming)
+        # Every stream read now: one of another length, or with other ids, failed at the step that drew it. Their
+        # length is the run's: a resumed run compares it with its checkpoint's.
+        streams = StreamCollator(recipe.streaming, model.vocabulary_size)
+        train_samples = streams.checked(train_samples, "train_samples")
+        if eval_samples:
+            eval_samples = streams.checked(eval_samples, "eval_samples")
+        stream_length = len(train_samples[0])
     if teacher is not None:
         _check_teacher(model, teacher)
     base_fingerprint = model.memory_signature()["base_fingerprint"]
     if resume:
-        check_resume(output_dir, model.config, recipe, base_fingerprint)
+        check_resume(output_dir, model.config, recipe, base_fingerprint, stream_length)
     else:
         check_fresh_start(output_dir)
     args = TrainingArguments(
@@ -458,10 +466,6 @@ def train(
             sample_lengths = [
                 collator.sequence_length(sample, index, "train_samples") for index, sample in enumerate(train_samples)
             ]
-    else:  # every stream read now too: one of another length, or with other ids, failed at the step that drew it
-        train_samples = collator.checked(train_samples, "train_samples")
-        if eval_samples:
-            eval_samples = collator.checked(eval_samples, "eval_samples")
     checkpoint = _resumed_checkpoint(output_dir) if resume else None
     last = get_last_checkpoint(os.fspath(output_dir)) if resume else None
     if checkpoint != last:
@@ -480,7 +484,10 @@ def train(
             callbacks=None if stop_at_step is None else [_StopAtStep(stop_at_step)],
         )
         trainer.sample_lengths, trainer.stop_at_step = sample_lengths, stop_at_step
-        trainer.run_settings = {**_run_settings(recipe, model.config), BASE_FINGERPRINT: base_fingerprint}
+        trainer.run_settings = {
+            **_run_settings(recipe, model.config, stream_length),
+            BASE_FINGERPRINT: base_fingerprint,
+        }
         trainer.distill_weight, trainer.distill_temperature = recipe.distill_weight, recipe.distill_temperature
         if teacher is not None:
             trainer.distill_teacher = teacher.to(trainer.args.device)
@@ -749,14 +756,19 @@ RUN_SETTINGS_NAME = "ccm_training.json"
 # Its entry for the base model's weights (`memory_signature()["base_fingerprint"]`): a run resumed on another base of
 # the same shape (another checkpoint or fine-tune of the architecture) went on training the adapter on it.
 BASE_FINGERPRINT = "base_fingerprint"
+# Its entry for the length of a stream run's samples (`ccm train --stream-chunks`): a run resumed with longer streams
+# went on training through more compressions per sample, on other stretches of the text, without a word.
+STREAM_LENGTH = "stream_length"
 
 
-def _run_settings(recipe: TrainingRecipe, config: CCMConfig) -> dict[str, Any]:
-    """The settings of `recipe` in `RESUMED_RECIPE` for an adapter of `config`, and the number of processes (each
-    draws its share of every batch), as JSON values."""
+def _run_settings(recipe: TrainingRecipe, config: CCMConfig, stream_length: int | None = None) -> dict[str, Any]:
+    """The settings of `recipe` in `RESUMED_RECIPE` for an adapter of `config`, the number of processes (each
+    draws its share of every batch) and, given, the length of the streams trained on, as JSON values."""
     settings = {name: getattr(recipe, name) for name in RESUMED_RECIPE}
     # The stream's cap as it streams (the adapter's where None): checkpoints record the cap they trained with.
     settings["streaming"] = None if recipe.streaming is None else asdict(recipe.streaming.for_adapter(config))
+    if stream_length is not None:
+        settings[STREAM_LENGTH] = stream_length
     settings["processes"] = int(os.environ.get("WORLD_SIZE", "1"))
     return json.loads(json.dumps(settings))
 
@@ -766,13 +778,15 @@ def check_resume(
     config: CCMConfig,
     recipe: TrainingRecipe | None = None,
     base_fingerprint: str | None = None,
+    stream_length: int | None = None,
 ) -> None:
     """Raise a ValueError naming the folder or file unless `output_dir` holds a checkpoint that `resume=True` can
-    continue with a model of `config` and, given, `recipe` and a base model of `base_fingerprint` (settings only:
-    `ccm train --resume` asks before any model loads). A checkpoint incomplete or damaged (a run killed while writing
-    it, a full disk) made the Trainer load its adapter into the model, then fail on the rest with a bare `OSError` or
-    `JSONDecodeError` that named no file; one of another adapter gave it another update rule, and one trained on
-    other samples (`trained_on`) the new ones, without a word."""
+    continue with a model of `config` and, given, `recipe`, a base model of `base_fingerprint` and streams of
+    `stream_length` tokens (settings only: `ccm train --resume` asks before any model loads). A checkpoint
+    incomplete or damaged (a run killed while writing it, a full disk) made the Trainer load its adapter into the
+    model, then fail on the rest with a bare `OSError` or `JSONDecodeError` that named no file; one of another
+    adapter gave it another update rule, and one trained on other samples (`trained_on`) the new ones, without a
+    word."""
     checkpoint = _resumed_checkpoint(output_dir)
     if checkpoint is None:
         last = get_last_checkpoint(os.fspath(output_dir)) if os.path.isdir(output_dir) else None
@@ -821,7 +835,7 @@ def check_resume(
         if name.endswith((".pt", ".pth")):
             _check_pickled_state(os.path.join(checkpoint, name), fix)
     if recipe is not None:
-        _check_run_settings(checkpoint, recipe, config, base_fingerprint, fix)
+        _check_run_settings(checkpoint, recipe, config, base_fingerprint, fix, stream_length)
 
 
 def _resumed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
@@ -844,23 +858,30 @@ def _resumed_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
 
 
 def _check_run_settings(
-    checkpoint: str, recipe: TrainingRecipe, config: CCMConfig, base_fingerprint: str | None, fix: str
+    checkpoint: str,
+    recipe: TrainingRecipe,
+    config: CCMConfig,
+    base_fingerprint: str | None,
+    fix: str,
+    stream_length: int | None = None,
 ) -> None:
     """Raise a ValueError naming each setting of `recipe` for an adapter of `config` (and the base model, given its
-    fingerprint) that differs from the one `checkpoint` was trained with."""
+    fingerprint, and the streams' length, given) that differs from the one `checkpoint` was trained with."""
     path = os.path.join(checkpoint, RUN_SETTINGS_NAME)
     if not os.path.isfile(path):
         return
     with open(path, "rb") as file:
         saved = parse_json_object(file.read(), path, fix)
-    ours = _run_settings(recipe, config) | ({BASE_FINGERPRINT: base_fingerprint} if base_fingerprint else {})
-    different = [name for name in ours if saved.get(name) != ours[name]]
+    ours = _run_settings(recipe, config, stream_length)
+    ours |= {BASE_FINGERPRINT: base_fingerprint} if base_fingerprint else {}
+    # A checkpoint written before the streams' length was recorded is not compared on it.
+    different = [n for n in ours if saved.get(n) != ours[n] and (n != STREAM_LENGTH or n in saved)]
+    named = {"processes": "the number of processes", STREAM_LENGTH: "the streams' length (ccm train --stream-chunks)"}
     if different:
         details = ", ".join(
             "another base model (its weights differ: ccm train --model)"
             if n == BASE_FINGERPRINT
-            else f"{'the number of processes' if n == 'processes' else f'TrainingRecipe.{n}'}: checkpoint "
-            f"{saved.get(n)!r} vs this run {ours[n]!r}"
+            else f"{named.get(n, f'TrainingRecipe.{n}')}: checkpoint {saved.get(n)!r} vs this run {ours[n]!r}"
             for n in different
         )
         raise ValueError(
