@@ -203,6 +203,20 @@ def test_train_on_a_jsonl_file(tiny_model, tmp_path):
     assert json.loads((tmp_path / "out" / "ccm_config.json").read_text())["trained_on"] == "mine.jsonl"
 
 
+def test_train_with_no_eval_samples_draws_and_evaluates_none(tiny_model, tmp_path):
+    """--eval-samples 0 ("0: no evaluation") evaluated a JSONL --eval-task file whole, and drew a text task's held-out
+    streams, refusing a --stream-chunks that only the training text holds (the held-out text is shorter)."""
+    from transformers_ccm.tasks import make_samples, save_jsonl
+
+    save_jsonl(make_samples("icl", "train", 2), tmp_path / "mine.jsonl")
+    save_jsonl(make_samples("icl", "test", 2), tmp_path / "held-out.jsonl")
+    task = ["--task", str(tmp_path / "mine.jsonl"), "--eval-task", str(tmp_path / "held-out.jsonl")]
+    sizes = ["--steps", "2", "--batch-size", "1", "--eval-every", "1", "--eval-samples", "0"]
+    main(["train", "--model", tiny_model, *task, *sizes, "--output-dir", str(tmp_path / "out")])
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert not any("eval_loss" in entry for entry in state["log_history"])
+
+
 def test_eval_writes_json_and_plot(tiny_model, adapter, tmp_path, capsys):
     full_context = tmp_path / "full-context"
     CCMForCausalLM.from_base(tiny_model, CCMConfig(conditional_lora=False)).save_pretrained(full_context)

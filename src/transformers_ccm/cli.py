@@ -245,7 +245,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     # A JSONL training file has no held-out split of its own.
     eval_task = args.eval_task or (None if _is_file(args.task) else args.task)
     wanted = {"train": (args.task, args.steps * args.batch_size * args.gradient_accumulation)}
-    if eval_task:
+    # --eval-samples 0 draws nothing: a JSONL file was evaluated whole, and a text task's held-out text, shorter than
+    # the training text, refused streams (--stream-chunks) that the training text holds, in a run without evaluation.
+    if eval_task and args.eval_samples:
         wanted["test"] = (eval_task, args.eval_samples)
     drawn = {
         split: _load_samples(task, split, count, args.seed, tokenizer, args.compress_chunk, stream_length)
@@ -1123,7 +1125,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gradient-accumulation", type=int, default=1, help="batches per optimizer step")
     train.add_argument("--learning-rate", type=float, default=1e-3, help="peak of the cosine schedule")
     train.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses and checkpoints")
-    train.add_argument("--eval-samples", type=int, default=48, help="held-out samples for the eval loss")
+    train.add_argument(
+        "--eval-samples",
+        type=int,
+        default=48,
+        help="held-out samples for the eval loss (a JSONL --eval-task: all of its own; 0: no evaluation)",
+    )
     train.add_argument("--seed", type=int, default=0, help="the samples drawn, the initialisation and the batch order")
     train.add_argument("--trained-on", default=None, help="what the model card says it was trained on")
     train.add_argument("--output-dir", required=True, help="where checkpoints and the final adapter go")
