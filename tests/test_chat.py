@@ -668,3 +668,33 @@ def test_end_ids_the_model_cannot_write_change_no_reply(tokenizer, chat_model, c
     plain, tried = (conversation(model, tokenizer, max_new_tokens=4) for model in (chat_model, listing))
     for message in ("Hi! I'm Maria.", "What is my name?"):
         assert tried.turn(message) == plain.turn(message)
+
+
+@pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
+def test_an_interrupt_while_the_reply_is_decoded_keeps_the_conversation(tokenizer, chat_model, conversation):
+    """FullContextChat added the exchange to its history before it decoded the reply: an interrupt (or the tokenizer's
+    own error) while decoding left a history holding a reply the caller never got, which every later turn then read.
+    The failed turn leaves the conversation as it was, and the same message then gets the reply it gets without the
+    failure."""
+    failing, clean = (conversation(chat_model, tokenizer, max_new_tokens=3) for _ in range(2))
+    for chat in (failing, clean):
+        chat.turn("Hi! I'm Maria.")
+    history = list(failing.history) if conversation is FullContextChat else copy.deepcopy(failing.cache)
+    tokens = failing.history_tokens
+
+    def fail(*_: object, **__: object) -> str:
+        raise KeyboardInterrupt
+
+    tokenizer.decode = fail  # on the instance, over the class's decode(), for this one turn
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            failing.turn("What is my name?")
+    finally:
+        del tokenizer.decode
+    assert failing.history_tokens == tokens
+    if conversation is FullContextChat:
+        assert failing.history == history
+    else:
+        for kept, before in zip(failing.cache.layers, history.layers, strict=True):
+            assert torch.equal(kept.keys, before.keys) and torch.equal(kept.values, before.values)
+    assert failing.turn("What is my name?") == clean.turn("What is my name?")

@@ -317,5 +317,8 @@ class FullContextChat(_Conversation):
         )
         with self.model.reading_plain_prompt():
             generated, reply_ids, closing = self._reply(prompt, self.model.base_model, None)
+        # Decoded before the exchange joins the history: a failure while decoding (an interrupt, the tokenizer's own
+        # error) kept an exchange whose reply the caller never got, as ChatSession.turn keeps none.
+        reply = self._text(reply_ids)
         self.history = prompt + generated + closing
-        return self._text(reply_ids)
+        return reply
