@@ -991,7 +991,9 @@ class CompressedMemoryCache(Cache):
             rows,
             turn_mask=torch.cat([kept, last & real[:, :fed]], dim=1),
             next_position=rows.next_position - (~real[:, :fed]).sum(-1),
-            pending_ids=generated[:, fed:].to(device),
+            # A copy: a view would share the ids generate() returns, and a caller's change to them in place (padding
+            # its end token, say) changed the token that compress() folds.
+            pending_ids=generated[:, fed:].to(device, copy=True),
             pending_mask=real[:, fed:],
         )
         self._know_history(known)
