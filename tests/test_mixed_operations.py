@@ -3,11 +3,13 @@ the caller's back, and mixed operations on several caches of one model give what
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from fault_injection import assert_same, snapshot
-from tiny_models import tiny_ccm
+from tiny_models import tiny_ccm, tiny_full_context_baseline
 
 
 @pytest.mark.parametrize("return_dict_in_generate", [False, True])
@@ -37,3 +39,24 @@ def test_changing_the_returned_ids_in_place_leaves_the_cache_as_generate_left_it
     for cache in (changed, untouched):
         model.compress(cache)
     assert_same(snapshot(changed), snapshot(untouched))
+
+
+def test_a_deep_copy_of_a_cache_filled_with_gradients_on_holds_its_values():
+    """A forward run with gradients on (outside torch.no_grad()) by an adapter whose LoRA acts at every position leaves
+    keys/values in the cache that belong to the autograd graph, and copy.deepcopy(cache) failed inside torch ("Only
+    Tensors created explicitly by the user (graph leaves) support the deepcopy protocol"), though a pickle of the same
+    cache worked. The deep copy holds the same values, apart from the graph, and goes on as the cache does."""
+    model = tiny_full_context_baseline(seed=3)
+    cache = model.new_cache(1)
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    model(input_ids=torch.tensor([[20, 21, 22]]), past_key_values=cache)
+    assert cache.layers[0].keys.grad_fn is not None  # what the copy is made of: tensors of the graph
+    copied = copy.deepcopy(cache)
+    assert all(layer.keys.grad_fn is None and layer.values.grad_fn is None for layer in copied.layers)
+    assert cache.layers[0].keys.grad_fn is not None  # the cache itself keeps its call's graph
+    assert_same(snapshot(copied), snapshot(cache))
+    prompt = torch.tensor([[23, 24]])
+    with torch.no_grad():
+        outputs = [model(input_ids=prompt, past_key_values=each).logits for each in (cache, copied)]
+    assert torch.equal(outputs[0], outputs[1])
+    assert_same(snapshot(copied), snapshot(cache))

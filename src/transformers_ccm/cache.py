@@ -1413,10 +1413,17 @@ class CompressedMemoryCache(Cache):
         return self.copy()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompressedMemoryCache:
-        """A copy with tensors of its own (`copy.deepcopy`), refused while another thread runs a call on this cache."""
+        """A copy with tensors of its own (`copy.deepcopy`), refused while another thread runs a call on this cache.
+
+        Its keys/values are the values alone, as a pickle holds them: those of a forward run with gradients on (an
+        adapter whose LoRA acts at every position) belong to that call's autograd graph, which torch does not
+        deep-copy (it raised for every tensor not a leaf of the graph)."""
         clone = CompressedMemoryCache.__new__(CompressedMemoryCache)
         memo[id(self)] = clone
-        clone.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        state = self.__getstate__()
+        for layer in state["layers"]:  # the state's own layers: detaching them leaves this cache's as they are
+            layer.map_rows(torch.Tensor.detach)
+        clone.__dict__.update(copy.deepcopy(state, memo))
         return clone
 
     def __getstate__(self) -> dict[str, Any]:
