@@ -10,6 +10,10 @@ import torch
 
 from fault_injection import assert_same, snapshot
 from tiny_models import tiny_ccm, tiny_full_context_baseline
+from transformers_ccm import StreamingConfig
+from transformers_ccm.wrapping import CACHE_ARGUMENT
+
+SMALL_STREAM = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
 
 
 @pytest.mark.parametrize("return_dict_in_generate", [False, True])
@@ -60,3 +64,28 @@ def test_a_deep_copy_of_a_cache_filled_with_gradients_on_holds_its_values():
         outputs = [model(input_ids=prompt, past_key_values=each).logits for each in (cache, copied)]
     assert torch.equal(outputs[0], outputs[1])
     assert_same(snapshot(copied), snapshot(cache))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2}, {"num_return_sequences": 2, "do_sample": True}],
+)
+@pytest.mark.parametrize("streaming", [None, SMALL_STREAM])
+def test_the_cache_a_generate_output_names_is_the_callers(options, streaming):
+    """With beams or several sequences, generate() runs on an expanded copy of the cache, and the output's cache was
+    that copy: a row per beam (or sequence), each turn without its last token and with the padding of finished beams,
+    which compress() folded into a wrong memory without a word. The output names the caller's cache, as a greedy
+    call's does, and that cache holds what the call documents (the returned beam's turn, or nothing new)."""
+    model = tiny_ccm("llama", update="concat")
+    cache = model.new_cache(1, streaming=streaming)
+    if streaming is None:
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+    output = model.generate(
+        torch.tensor([[20, 21]]),
+        past_key_values=cache,
+        max_new_tokens=3,
+        return_dict_in_generate=True,
+        **{"do_sample": False, **options},
+    )
+    assert getattr(output, CACHE_ARGUMENT) is cache
+    assert cache.batch_size == 1

@@ -849,6 +849,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                         **{CACHE_ARGUMENT: run_cache},
                         **kwargs,
                     )
+                if run_cache is not cache and not isinstance(output, torch.Tensor):
+                    # The output named the expanded copy, a row per beam (or sequence), each turn without its last token
+                    # and finished beams' padding counted as tokens, which compress() folded into a wrong memory. It
+                    # names the caller's cache, as a greedy call's does.
+                    output[CACHE_ARGUMENT] = cache
                 if _settings_changed(self.generation_config, seen):
                     raise ValueError(
                         "model.generation_config was changed or replaced (in another thread) while generate() ran, so "
