@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
 from tiny_models import tiny_ccm, tiny_full_context_baseline
-from transformers_ccm import StreamingConfig
+from transformers_ccm import CompressedMemoryCache, StreamingConfig
 from transformers_ccm.wrapping import CACHE_ARGUMENT
 
 SMALL_STREAM = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
@@ -67,10 +68,14 @@ def test_a_deep_copy_of_a_cache_filled_with_gradients_on_holds_its_values():
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2}, {"num_return_sequences": 2, "do_sample": True}],
+    ("streaming", "options"),
+    [
+        (None, {"num_beams": 2}),
+        (None, {"num_beams": 2, "num_return_sequences": 2}),
+        (None, {"num_return_sequences": 2, "do_sample": True}),
+        (SMALL_STREAM, {"num_beams": 2}),
+    ],
 )
-@pytest.mark.parametrize("streaming", [None, SMALL_STREAM])
 def test_the_cache_a_generate_output_names_is_the_callers(options, streaming):
     """With beams or several sequences, generate() runs on an expanded copy of the cache, and the output's cache was
     that copy: a row per beam (or sequence), each turn without its last token and with the padding of finished beams,
@@ -89,3 +94,54 @@ def test_the_cache_a_generate_output_names_is_the_callers(options, streaming):
     )
     assert getattr(output, CACHE_ARGUMENT) is cache
     assert cache.batch_size == 1
+
+
+@pytest.mark.parametrize("streaming", [None, SMALL_STREAM])
+def test_a_cache_is_not_copied_or_saved_from_inside_a_forward_on_it(tmp_path, streaming):
+    """A hook on one of the model's layers (logging, a checkpoint) that copied or saved the cache during a forward on
+    it read it half updated: the first layer held the new tokens and the second not yet. The copy was taken by later
+    calls as it was (its layers of different lengths attending to each other's positions), and a stream's file
+    replaced the earlier one with a memory that `load` refuses. Both are refused with the way to do it; a copy from a
+    streamer, between the forwards of generate(), is whole and still taken."""
+    model = tiny_ccm("llama", update="concat")
+    cache = model.new_cache(1, streaming=streaming)
+    model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    if streaming is None:
+        model.compress(cache)
+    path = tmp_path / "memory.safetensors"
+    cache.save(path)
+    saved, untouched = path.read_bytes(), cache.copy()
+    refusals: list[str] = []
+
+    def copy_and_save(*_: object) -> None:
+        for call in (cache.copy, lambda: copy.deepcopy(cache), lambda: cache.save(path)):
+            with pytest.raises(ValueError, match="from inside a forward of its model") as refused:
+                call()
+            refusals.append(str(refused.value))
+
+    handle = model.base_model.model.layers[1].register_forward_pre_hook(copy_and_save)
+    try:
+        model(input_ids=torch.tensor([[20, 21, 22]]), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert len(refusals) == 3 and "after the call returns" in refusals[0]
+    assert path.read_bytes() == saved
+    model(input_ids=torch.tensor([[20, 21, 22]]), past_key_values=untouched)
+    assert_same(snapshot(cache), snapshot(untouched))
+
+    copies: list[CompressedMemoryCache] = []
+
+    class Copying(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            copies.append(cache.copy())
+
+        def end(self) -> None:
+            pass
+
+    if streaming is None:
+        model.compress(cache)
+    model.generate(
+        torch.tensor([[30, 31]]), past_key_values=cache, max_new_tokens=2, do_sample=False, streamer=Copying()
+    )
+    assert len(copies) == 3  # the prompt and each generated token
+    assert len({tuple(layer.keys.shape) for layer in copies[-1].layers}) == 1

@@ -499,6 +499,8 @@ class CompressedMemoryCache(Cache):
         self._forwarding = False
         # Whether a stream keeps the autograd graph of its forwards from one call to the next (`end_stream_call`).
         self._keeps_graph = False
+        # Forwards of the base model running on the cache now (nested: a stream's leading pieces); see `check_whole`.
+        self.forwards_running = 0
 
     @property
     def config(self) -> CCMConfig:
@@ -749,6 +751,18 @@ class CompressedMemoryCache(Cache):
                 "A CompressedMemoryCache was given to the wrapped base model (model.base_model) itself, which runs it "
                 "without the checks and the transaction of the CCM model's calls (a failure would leave it half "
                 "updated). Give it to the CCMForCausalLM instead: model(...), model.generate() or model.compress()."
+            )
+
+    def check_whole(self, call: str) -> None:
+        """Raise if a forward of the model runs on the cache (`forwards_running`): `call`, from a hook on one of the
+        model's layers, read the cache half updated, with the forward's tokens in some layers and not yet in others.
+        Another thread's call is refused by the claim."""
+        if self.forwards_running:
+            raise ValueError(
+                f"{call} was called from inside a forward of its model on this CompressedMemoryCache (a hook on one of "
+                "the model's layers, say), where some layers hold the forward's tokens and others do not yet: a copy "
+                "or file of it would be corrupt. Make the call after the call returns, or from a streamer or stopping "
+                "criterion of generate(), which run between its forwards."
             )
 
     def check_free(self) -> None:
@@ -1432,6 +1446,7 @@ class CompressedMemoryCache(Cache):
         never changed); refused while another thread runs a call on this cache, as `save` is: a pickle read the
         layers half updated."""
         with self._claimed():
+            self.check_whole("Copying the cache (cache.copy(), copy.deepcopy, a pickle)")
             layers = []
             for layer in self.layers:
                 twin = type(layer).__new__(type(layer))
@@ -1479,6 +1494,7 @@ class CompressedMemoryCache(Cache):
 
         Refused while another thread runs a call on the cache: its layers would be read half updated."""
         with self._claimed():
+            self.check_whole("cache.save()")
             self._save(path)
 
     def _save(self, path: str | os.PathLike[str]) -> None:

@@ -197,6 +197,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self._gate = LoRAGate(base_model, conditional=config.conditional_lora)
         use_ccm_attention(base_model)
         self._online_hook = base_model.register_forward_pre_hook(self._online_inputs, with_kwargs=True)
+        self._online_end_hook = base_model.register_forward_hook(self._online_outputs, with_kwargs=True)
         # transformers saved the LoRA's entries and renamed weights, which a reload read as missing weights (random
         # attention, with a warning only); the base saves its own weights, as PEFT's `unload()` gives them back.
         base_model.save_pretrained = functools.partial(save_base_weights, base_model)
@@ -413,7 +414,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         `requires_grad` flags restored. This model is unusable afterwards. Also after `_wrap_base` failed half way: only
         what it did is undone."""
         requires_grad, attention = self._base_before
-        for added in (self.__dict__.get("_gate"), self.__dict__.get("_online_hook")):
+        hooks = ("_gate", "_online_hook", "_online_end_hook")
+        for added in (self.__dict__.get(name) for name in hooks):
             if added is not None:
                 added.remove()
         for module, rotary_class in self._rotary_classes:
@@ -1032,6 +1034,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if not isinstance(cache, CompressedMemoryCache):
             return None
         cache.check_held()
+        # Counted until `_online_outputs` (a failure before then restores the count with the cache's transaction).
+        cache.forwards_running += 1
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
@@ -1052,6 +1056,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         position_ids, attention = cache.prepare_forward(new_mask, sdpa)
         kwargs.update(attention_mask=attention, position_ids=position_ids, use_cache=True)
         return args, kwargs
+
+    def _online_outputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Forward hook of the base model: a forward on a `CompressedMemoryCache` has stored its tokens in every
+        layer (`CompressedMemoryCache.check_whole`)."""
+        cache = passed_cache(kwargs)
+        if isinstance(cache, CompressedMemoryCache):
+            cache.forwards_running -= 1
 
     def _run_leading_pieces(self, cache: CompressedMemoryCache, name: str, tokens: torch.Tensor) -> torch.Tensor:
         """Run all but the last piece of an input too long for one forward (a long prompt given to generate() on
