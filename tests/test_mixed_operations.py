@@ -99,10 +99,11 @@ def test_the_cache_a_generate_output_names_is_the_callers(options, streaming):
 @pytest.mark.parametrize("streaming", [None, SMALL_STREAM])
 def test_a_cache_is_not_copied_or_saved_from_inside_a_forward_on_it(tmp_path, streaming):
     """A hook on one of the model's layers (logging, a checkpoint) that copied or saved the cache during a forward on
-    it read it half updated: the first layer held the new tokens and the second not yet. The copy was taken by later
-    calls as it was (its layers of different lengths attending to each other's positions), and a stream's file
-    replaced the earlier one with a memory that `load` refuses. Both are refused with the way to do it; a copy from a
-    streamer, between the forwards of generate(), is whole and still taken."""
+    it read it half updated: the first layer held the new tokens and the second not yet (or, from a hook of the base
+    model, compress()'s <COMP> keys still in the turn). Later calls took the copy as it was (layers of different
+    lengths; <COMP> keys folded again as tokens), and a stream's file replaced the earlier one with a memory that
+    `load` refuses. Both are refused with the way to do it; a copy from a streamer, between the forwards of
+    generate(), is whole and still taken."""
     model = tiny_ccm("llama", update="concat")
     cache = model.new_cache(1, streaming=streaming)
     model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
@@ -128,6 +129,17 @@ def test_a_cache_is_not_copied_or_saved_from_inside_a_forward_on_it(tmp_path, st
     assert path.read_bytes() == saved
     model(input_ids=torch.tensor([[20, 21, 22]]), past_key_values=untouched)
     assert_same(snapshot(cache), snapshot(untouched))
+    if streaming is None:
+        # A forward hook of the base model itself, after compress()'s <COMP> forward: its keys were in the turn as
+        # tokens of it, and a fold of the copy compressed them again.
+        handle = model.base_model.register_forward_hook(copy_and_save)
+        try:
+            model.compress(cache, torch.tensor([[8, 9]]))
+        finally:
+            handle.remove()
+        assert len(refusals) == 6
+        model.compress(untouched, torch.tensor([[8, 9]]))
+        assert_same(snapshot(cache), snapshot(untouched))
 
     copies: list[CompressedMemoryCache] = []
 
@@ -138,8 +150,6 @@ def test_a_cache_is_not_copied_or_saved_from_inside_a_forward_on_it(tmp_path, st
         def end(self) -> None:
             pass
 
-    if streaming is None:
-        model.compress(cache)
     model.generate(
         torch.tensor([[30, 31]]), past_key_values=cache, max_new_tokens=2, do_sample=False, streamer=Copying()
     )

@@ -753,6 +753,17 @@ class CompressedMemoryCache(Cache):
                 "updated). Give it to the CCMForCausalLM instead: model(...), model.generate() or model.compress()."
             )
 
+    @contextmanager
+    def running_forward(self) -> Iterator[None]:
+        """Within the context the cache is half updated, as inside a forward on it (`check_whole` refuses copies and
+        saves): from a forward whose keys join the turn until the call settles them (`fold`, `end_generation`), where
+        the base model's own forward hooks run."""
+        self.forwards_running += 1
+        try:
+            yield
+        finally:
+            self.forwards_running -= 1
+
     def check_whole(self, call: str) -> None:
         """Raise if a forward of the model runs on the cache (`forwards_running`): `call`, from a hook on one of the
         model's layers, read the cache half updated, with the forward's tokens in some layers and not yet in others.

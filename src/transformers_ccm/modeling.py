@@ -656,14 +656,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 is_comp = torch.cat(
                     [torch.zeros_like(mask), torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1
                 )
-                with self.lora_at(is_comp):
+                # Until fold() takes them, the <COMP> keys/values sit in the turn as if they were tokens of it.
+                with self.lora_at(is_comp), cache.running_forward():
                     self.base_model(
                         inputs_embeds=torch.cat([ordinary, comp], dim=1),
                         attention_mask=torch.cat([mask, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1),
                         logits_to_keep=1,
                         **{CACHE_ARGUMENT: cache},
                     )
-                cache.fold(n, rows)
+                    cache.fold(n, rows)
 
     def _context(
         self, cache: CompressedMemoryCache, context_ids: Any, attention_mask: torch.Tensor | None
@@ -884,14 +885,15 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 # EOS id, transformers pads a beam that ended before the others with -1, which no embedding takes;
                 # the padding is masked, so any id does.
                 generated = generated.clamp(min=0)
-                self.base_model(
-                    **self._followed_by(name, prompt, generated[:, :-1]),
-                    attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
-                    logits_to_keep=1,
-                    **{CACHE_ARGUMENT: cache},
-                )
-                # A beam's indices are -1 after its end
-                cache.end_generation(generated, (output.beam_indices >= 0).sum(-1))
+                with cache.running_forward():  # the padding of a beam that ended counts as its turn until the end
+                    self.base_model(
+                        **self._followed_by(name, prompt, generated[:, :-1]),
+                        attention_mask=torch.cat([attention_mask, torch.ones_like(generated[:, :-1])], dim=1),
+                        logits_to_keep=1,
+                        **{CACHE_ARGUMENT: cache},
+                    )
+                    # A beam's indices are -1 after its end
+                    cache.end_generation(generated, (output.beam_indices >= 0).sum(-1))
                 return output if settings.return_dict_in_generate else sequences
 
     def _finished_rows(
