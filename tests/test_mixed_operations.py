@@ -10,8 +10,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
-from tiny_models import tiny_ccm, tiny_full_context_baseline
-from transformers_ccm import CompressedMemoryCache, StreamingConfig
+from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.wrapping import CACHE_ARGUMENT
 
 SMALL_STREAM = StreamingConfig(window_tokens=10, sink_tokens=2, compress_chunk=4, max_memory_tokens=4)
@@ -155,3 +155,27 @@ def test_a_cache_is_not_copied_or_saved_from_inside_a_forward_on_it(tmp_path, st
     )
     assert len(copies) == 3  # the prompt and each generated token
     assert len({tuple(layer.keys.shape) for layer in copies[-1].layers}) == 1
+
+
+@pytest.mark.parametrize("streaming", [None, SMALL_STREAM])
+def test_an_online_forward_under_activation_checkpointing_is_refused_before_it_changes_the_cache(streaming):
+    """With activation checkpointing on (a model being trained), an online forward in training mode with gradients ran
+    every decoder layer without the cache, as transformers does for checkpointed layers: on a fresh cache it returned
+    logits that saw no memory and left rows that counted tokens no layer held (every later compress() then failed
+    inside torch), and on a memory it failed inside torch on the attention mask's shape. It is refused before anything
+    changes, with the ways out; without gradients the same call runs as it does without checkpointing."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="concat")))
+    cache = model.new_cache(1, streaming=streaming)
+    if streaming is None:
+        model.compress(cache, torch.tensor([[5, 6, 7]]))
+    expected = model(input_ids=torch.tensor([[8, 9]]), past_key_values=cache.copy()).logits
+    model.activation_checkpointing_enable()
+    model.train()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="activation checkpointing") as refused:
+        model(input_ids=torch.tensor([[8, 9]]), past_key_values=cache)
+    assert "torch.no_grad()" in str(refused.value) and "activation_checkpointing_disable()" in str(refused.value)
+    assert_same(snapshot(cache), before)
+    model.eval()  # no dropout, so that the logits are those of the model before
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=torch.tensor([[8, 9]]), past_key_values=cache).logits, expected)

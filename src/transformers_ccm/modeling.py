@@ -27,6 +27,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation import GenerationMode, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import stopping_criteria as transformers_criteria
 from transformers.generation.streamers import BaseStreamer
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from transformers_ccm.attention import (
@@ -955,6 +956,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         with cache.running("model(...)"):  # claimed before the checks: no other call changes it after them
             state = self._check_owner(cache)
             self._check_adapter_acts(cache, "model(...)")
+            self._check_cache_reaches_layers()
             name = "input_ids" if input_ids is not None else "inputs_embeds"
             tokens = input_ids if input_ids is not None else kwargs.pop("inputs_embeds", None)
             if tokens is None:
@@ -1271,6 +1273,27 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"{call} ran inside model.adapter_disabled() (entered in this thread or task, or in the task that "
                 "created this one), where the adapter does not act: the cache would hold the base model's keys/values "
                 "under the adapter's signature. Make the call outside that context."
+            )
+
+    def _check_cache_reaches_layers(self) -> None:
+        """Raise if transformers would run decoder layers of an online forward without its cache: a checkpointed layer
+        in training mode with gradients on drops it (so that the recomputation during backward does not store the keys
+        twice). Its tokens then saw no memory, and the rows counted tokens that no layer held."""
+        if not torch.is_grad_enabled():  # as in generate() and compress(): checkpointing needs a backward to replay
+            return
+        if any(
+            isinstance(m, GradientCheckpointingLayer)
+            and m.gradient_checkpointing
+            and m.training
+            and not getattr(m, "_can_checkpoint_with_cache", False)
+            for m in self._listing()[2]
+        ):
+            raise ValueError(
+                "model(...) with a CompressedMemoryCache ran with activation checkpointing on, in training mode and "
+                "with gradients: transformers then runs the checkpointed decoder layers without the cache, whose "
+                "tokens would neither see the memory nor be stored in it. Make the call under torch.no_grad() (or "
+                "torch.inference_mode()), in eval mode (model.eval()), or after "
+                "model.activation_checkpointing_disable()."
             )
 
     def _check_tokens(self, tokens: torch.Tensor, name: str, cache: CompressedMemoryCache) -> None:
