@@ -500,7 +500,7 @@ class CompressedMemoryCache(Cache):
         # Whether a stream keeps the autograd graph of its forwards from one call to the next (`end_stream_call`).
         self._keeps_graph = False
         # Forwards of the base model running on the cache now (nested: a stream's leading pieces); see `check_whole`.
-        self.forwards_running = 0
+        self._forwards_running = 0
 
     @property
     def config(self) -> CCMConfig:
@@ -758,17 +758,26 @@ class CompressedMemoryCache(Cache):
         """Within the context the cache is half updated, as inside a forward on it (`check_whole` refuses copies and
         saves): from a forward whose keys join the turn until the call settles them (`fold`, `end_generation`), where
         the base model's own forward hooks run."""
-        self.forwards_running += 1
+        self.forward_began()
         try:
             yield
         finally:
-            self.forwards_running -= 1
+            self.forward_ended()
+
+    def forward_began(self) -> None:
+        """A forward of the base model began on the cache (its pre-hook): copies and saves are refused until
+        `forward_ended` (a failure in between restores the count with the cache's transaction)."""
+        self._forwards_running += 1
+
+    def forward_ended(self) -> None:
+        """A forward of the base model stored its tokens in every layer of the cache (its forward hook)."""
+        self._forwards_running -= 1
 
     def check_whole(self, call: str) -> None:
-        """Raise if a forward of the model runs on the cache (`forwards_running`): `call`, from a hook on one of the
+        """Raise if a forward of the model runs on the cache (`forward_began`): `call`, from a hook on one of the
         model's layers, read the cache half updated, with the forward's tokens in some layers and not yet in others.
         Another thread's call is refused by the claim."""
-        if self.forwards_running:
+        if self._forwards_running:
             raise ValueError(
                 f"{call} was called from inside a forward of its model on this CompressedMemoryCache (a hook on one of "
                 "the model's layers, say), where some layers hold the forward's tokens and others do not yet: a copy "

@@ -1038,8 +1038,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         if not isinstance(cache, CompressedMemoryCache):
             return None
         cache.check_held()
-        # Counted until `_online_outputs` (a failure before then restores the count with the cache's transaction).
-        cache.forwards_running += 1
+        cache.forward_began()  # until `_online_outputs`
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
@@ -1066,7 +1065,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         layer (`CompressedMemoryCache.check_whole`)."""
         cache = passed_cache(kwargs)
         if isinstance(cache, CompressedMemoryCache):
-            cache.forwards_running -= 1
+            cache.forward_ended()
 
     def _run_leading_pieces(self, cache: CompressedMemoryCache, name: str, tokens: torch.Tensor) -> torch.Tensor:
         """Run all but the last piece of an input too long for one forward (a long prompt given to generate() on
