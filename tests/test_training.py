@@ -108,6 +108,21 @@ def test_train_with_dense_supervision_and_distillation(tmp_path):
     assert not torch.equal(before, model.comp_embeddings)
 
 
+@pytest.mark.parametrize("update", ["concat", "merge"])
+def test_two_runs_from_one_seed_train_the_same_adapter_bit_for_bit(tmp_path, update):
+    """Batches large enough for torch to spread a step over threads: the `<COMP>` embeddings' gradient, summed over
+    every `<COMP>` position of the batch, comes out the same on every run, so one seed gives one adapter."""
+    samples = [recall_sample(random.Random(seed)) for seed in range(256)]
+    recipe = TrainingRecipe(steps=2, batch_size=256, save_every=2, learning_rate=1e-2)
+    adapters = []
+    for run in ("first", "second"):
+        model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update=update))
+        train(model, None, samples, None, tmp_path / run, recipe)
+        adapters.append(model.adapter_tensors())
+    first, second = adapters
+    assert [name for name, tensor in first.items() if not torch.equal(tensor, second[name])] == []
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_train_distils_from_a_frozen_full_context_teacher_and_gives_it_back_as_it_was(tmp_path, fails):
     """The teacher runs in evaluation mode and changes no weight; it came back frozen for good and in evaluation mode,

@@ -312,9 +312,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def embed(self, input_ids: torch.Tensor, comp_mask: torch.Tensor) -> torch.Tensor:
         """`(batch, seq, hidden)` input embeddings; `<COMP>` positions take `comp_embeddings` (ids ignored)."""
-        ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
-        comp = self.comp_embeddings[comp_ranks(comp_mask, self.config.num_comp_tokens)].to(ordinary.dtype)
-        return torch.where(comp_mask[..., None], comp, ordinary)
+        embedded = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
+        ranks = comp_ranks(comp_mask, self.config.num_comp_tokens)
+        # One `where` per slot, not indexing by rank: indexing's backward accumulates the gradient in an order that
+        # varies between runs, so two trainings from one seed gave two adapters.
+        for rank, row in enumerate(self.comp_embeddings.to(embedded.dtype)):
+            embedded = torch.where((comp_mask & (ranks == rank))[..., None], row, embedded)
+        return embedded
 
     def train(self, mode: bool = True) -> CCMForCausalLM:
         """`nn.Module.train`, which counts as a change of the model for the calls running meanwhile in other threads
