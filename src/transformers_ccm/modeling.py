@@ -312,13 +312,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
     def embed(self, input_ids: torch.Tensor, comp_mask: torch.Tensor) -> torch.Tensor:
         """`(batch, seq, hidden)` input embeddings; `<COMP>` positions take `comp_embeddings` (ids ignored)."""
-        embedded = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
-        ranks = comp_ranks(comp_mask, self.config.num_comp_tokens)
-        # One `where` per slot, not indexing by rank: indexing's backward accumulates the gradient in an order that
-        # varies between runs, so two trainings from one seed gave two adapters.
-        for rank, row in enumerate(self.comp_embeddings.to(embedded.dtype)):
-            embedded = torch.where((comp_mask & (ranks == rank))[..., None], row, embedded)
-        return embedded
+        ordinary = self.base_model.get_input_embeddings()(input_ids.masked_fill(comp_mask, 0))
+        # An embedding lookup, not indexing: indexing's backward on a CPU sums the gradient in an order that varies
+        # between runs, so two trainings from one seed gave two adapters.
+        comp = nn.functional.embedding(comp_ranks(comp_mask, self.config.num_comp_tokens), self.comp_embeddings)
+        return torch.where(comp_mask[..., None], comp.to(ordinary.dtype), ordinary)
 
     def train(self, mode: bool = True) -> CCMForCausalLM:
         """`nn.Module.train`, which counts as a change of the model for the calls running meanwhile in other threads
