@@ -217,6 +217,24 @@ def test_train_with_no_eval_samples_draws_and_evaluates_none(tiny_model, tmp_pat
     assert not any("eval_loss" in entry for entry in state["log_history"])
 
 
+@pytest.mark.parametrize(
+    ("eval_task", "message"),
+    [
+        ("icll", "Unknown task 'icll'"),
+        ("icl:2,chats:1", "Unknown task 'chats'"),
+        ("held-out", "Unknown task 'held-out'"),
+    ],
+)
+def test_train_with_no_eval_samples_still_refuses_an_unknown_eval_task(tmp_path, capsys, eval_task, message):
+    """Nothing is drawn with --eval-samples 0, but a misspelt task (or a file that is not there) is refused before
+    the model loads, as it is with samples to draw."""
+    arguments = ["train", "--model", str(tmp_path / "no-model"), "--task", "icl", "--eval-task", eval_task]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--eval-samples", "0", "--steps", "1", "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_eval_writes_json_and_plot(tiny_model, adapter, tmp_path, capsys):
     full_context = tmp_path / "full-context"
     CCMForCausalLM.from_base(tiny_model, CCMConfig(conditional_lora=False)).save_pretrained(full_context)

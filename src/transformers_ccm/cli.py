@@ -162,6 +162,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
     from transformers_ccm.streaming import StreamingConfig
+    from transformers_ccm.tasks import mixture_weights
+    from transformers_ccm.tasks.text import TEXT_TASKS
     from transformers_ccm.training import (
         TrainingRecipe,
         check_fresh_start,
@@ -249,6 +251,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     # the training text, refused streams (--stream-chunks) that the training text holds, in a run without evaluation.
     if eval_task and args.eval_samples:
         wanted["test"] = (eval_task, args.eval_samples)
+    elif eval_task and not _is_file(eval_task) and eval_task not in TEXT_TASKS:
+        mixture_weights(eval_task)  # nothing is drawn, but a misspelt task is refused as when samples are
     drawn = {
         split: _load_samples(task, split, count, args.seed, tokenizer, args.compress_chunk, stream_length)
         for split, (task, count) in sorted(wanted.items(), key=lambda item: not _is_file(item[1][0]))
