@@ -1133,6 +1133,9 @@ def test_train_refuses_a_compress_chunk_below_one_before_the_model_loads(tmp_pat
     [
         (["--compress-chunk", "200"], "window_tokens (148) is smaller than compress_chunk (200)"),
         (["--num-comp-tokens", "9"], "max_memory_tokens (8) cannot hold one compressed chunk (9 <COMP> slots)"),
+        (["--window-tokens", "8", "--compress-chunk", "16"], "window_tokens (8) is smaller than compress_chunk (16)"),
+        (["--sink-tokens", "-1"], "sink_tokens must be an integer >= 0, got -1"),
+        (["--max-memory-tokens", "1"], "max_memory_tokens (1) cannot hold one compressed chunk (2 <COMP> slots)"),
     ],
 )
 def test_train_on_streams_refuses_bad_sizes_before_the_model_loads(tmp_path, capsys, arguments, message):
@@ -1143,6 +1146,28 @@ def test_train_on_streams_refuses_bad_sizes_before_the_model_loads(tmp_path, cap
         main(["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_on_streams_of_the_sizes_stream_eval_takes(tiny_model, tmp_path, capsys):
+    """`ccm train --supervision stream` trained with a sink of 4 and a window of 148 whatever budget its adapter would
+    stream with: the sizes of `ccm stream-eval` are its flags too, recorded in the run and kept by a resumed one."""
+    sizes = ["--window-tokens", "40", "--sink-tokens", "2", "--compress-chunk", "16", "--max-memory-tokens", "4"]
+    arguments = ["train", "--model", tiny_model, "--task", "text", "--supervision", "stream", "--stream-chunks", "2"]
+    arguments += ["--batch-size", "2", "--eval-samples", "0", "--output-dir", str(tmp_path / "run"), *sizes]
+    main([*arguments, "--steps", "1"])
+    settings = json.loads((tmp_path / "run" / "checkpoint-1" / "ccm_training.json").read_text())
+    assert settings["stream_length"] == 2 + 40 + 2 * 16 + 1
+    assert {key: settings["streaming"][key] for key in ("window_tokens", "sink_tokens", "max_memory_tokens")} == {
+        "window_tokens": 40,
+        "sink_tokens": 2,
+        "max_memory_tokens": 4,
+    }
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--steps", "2", "--resume", "--max-memory-tokens", "6"])
+    assert exit_info.value.code == 2 and "--max-memory-tokens" in capsys.readouterr().err
+    main([*arguments, "--steps", "2", "--resume"])
+    assert (tmp_path / "run" / "checkpoint-2" / "ccm_training.json").is_file()
 
 
 @pytest.mark.parametrize(

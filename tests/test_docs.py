@@ -63,6 +63,8 @@ DOCUMENTED_DEFAULTS = {
     ("train", "--learning-rate"): "0.001",
     ("train", "--lora-r"): "8",
     ("train", "--compress-chunk"): "32",
+    ("train", "--sink-tokens"): "4",
+    ("train", "--window-tokens"): "148",
     ("train", "--stream-chunks"): "8",
     ("train", "--stream-piece"): "16",
     ("train", "--supervision"): "output",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers_ccm.chat import TurnReport
     from transformers_ccm.data import OnlineSample
     from transformers_ccm.modeling import CCMForCausalLM
+    from transformers_ccm.streaming import StreamingConfig
 
     # What `ccm eval` scores at once: (task, wording set, time step, samples, metric, the line of each sample in
     # the task's JSONL file or None).
@@ -57,6 +58,33 @@ def _add_keep_window_full(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_stream_sizes(parser: argparse.ArgumentParser) -> None:
+    """The sizes of a streaming cache besides its chunk: `ccm stream-eval` streams with them and `ccm train
+    --supervision stream` trains with them (a text task's samples span their window too)."""
+    parser.add_argument("--window-tokens", type=int, default=148, help="streams: recent tokens kept as they are")
+    parser.add_argument("--sink-tokens", type=int, default=4, help="streams: first tokens kept for ever")
+    parser.add_argument(
+        "--max-memory-tokens",
+        type=int,
+        default=None,
+        help="streams: concat memory cap, oldest evicted first (default: 8, or the adapter's own cap where it has one)",
+    )
+
+
+def _streaming_config(args: argparse.Namespace) -> StreamingConfig:
+    """The streaming sizes of `_add_stream_sizes`, `--compress-chunk` and `--keep-window-full` (unchecked:
+    `StreamingConfig.validate` checks them against the adapter)."""
+    from transformers_ccm.streaming import StreamingConfig
+
+    return StreamingConfig(
+        window_tokens=args.window_tokens,
+        sink_tokens=args.sink_tokens,
+        compress_chunk=args.compress_chunk,
+        max_memory_tokens=args.max_memory_tokens,
+        keep_window_full=args.keep_window_full,
+    )
+
+
 # The `ccm train` flag that sets each TrainingRecipe field a user can get wrong.
 _RECIPE_FLAGS = {
     "steps": "--steps",
@@ -71,7 +99,10 @@ _RECIPE_FLAGS = {
     "group_by_length": "--group-by-length",
     "supervision": "--supervision",
     "layout": "--method",
-    "streaming": "--supervision stream, --compress-chunk or --keep-window-full",
+    "streaming": (
+        "--supervision stream, --compress-chunk, --keep-window-full, --window-tokens, --sink-tokens or "
+        "--max-memory-tokens"
+    ),
 }
 
 
@@ -115,13 +146,12 @@ def _load_samples(
     count: int,
     seed: int,
     tokenizer: Callable[[], PreTrainedTokenizerBase],
-    compress_chunk: int,
+    stream_sizes: StreamingConfig,
     stream_length: int | None = None,
 ) -> tuple[list[OnlineSample] | list[list[int]], list[int] | None]:
     """Samples of `task`; with `stream_length`, streams of that many tokens (text tasks only). `tokenizer()` gives
-    the tokenizer, called for built-in tasks only (not for a JSONL file). With them, the line of each sample in a
-    JSONL file (None for a built-in task)."""
-    from transformers_ccm.streaming import StreamingConfig
+    the tokenizer, called for built-in tasks only (not for a JSONL file). A text task's samples are cut for
+    `stream_sizes`. With them, the line of each sample in a JSONL file (None for a built-in task)."""
     from transformers_ccm.tasks import load_jsonl_rows, make_samples, mixture_weights
     from transformers_ccm.tasks.text import TEXT_TASKS, stream_samples, text_streams
 
@@ -134,15 +164,17 @@ def _load_samples(
         return load_jsonl_rows(task)
     if task in TEXT_TASKS:
         # After a compression the window holds `window_tokens - compress_chunk` tokens; samples span the same.
-        window = StreamingConfig().window_tokens - compress_chunk
+        chunk = stream_sizes.compress_chunk
+        window = stream_sizes.window_tokens - chunk
         if window < 1:
             raise ValueError(
-                f"--compress-chunk {compress_chunk} leaves no window; use one below {window + compress_chunk}."
+                f"--compress-chunk {chunk} leaves no window; use one below {stream_sizes.window_tokens}, or a larger "
+                "--window-tokens."
             )
         if stream_length is not None:
             return text_streams(tokenizer(), split, count, stream_length, seed=seed, sources=TEXT_TASKS[task]), None
         samples = stream_samples(
-            tokenizer(), split, count, seed=seed, chunk=compress_chunk, max_window=window, sources=TEXT_TASKS[task]
+            tokenizer(), split, count, seed=seed, chunk=chunk, max_window=window, sources=TEXT_TASKS[task]
         )
         return samples, None
     try:
@@ -161,7 +193,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     from transformers_ccm.embedded import load_tokenizer
     from transformers_ccm.modeling import CCMForCausalLM
     from transformers_ccm.stream_training import tokens_before_compression
-    from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks import mixture_weights
     from transformers_ccm.tasks.text import TEXT_TASKS
     from transformers_ccm.training import (
@@ -177,11 +208,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.eval_samples < 0:  # drawn as no sample at all: the run went without evaluation, without a word
         raise ValueError(f"--eval-samples must be at least 0 (0: no evaluation), got {args.eval_samples}.")
     _check_output_dir(args.output_dir)
-    streaming = (
-        StreamingConfig(compress_chunk=args.compress_chunk, keep_window_full=args.keep_window_full)
-        if args.supervision == "stream"
-        else None
-    )
+    stream_sizes = _streaming_config(args)
+    streaming = stream_sizes if args.supervision == "stream" else None
     # Each stream ends `--stream-chunks` compressions after the sink and window fill; one more token is a target.
     stream_length = (
         None
@@ -254,7 +282,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     elif eval_task and not _is_file(eval_task) and eval_task not in TEXT_TASKS:
         mixture_weights(eval_task)  # nothing is drawn, but a misspelt task is refused as when samples are
     drawn = {
-        split: _load_samples(task, split, count, args.seed, tokenizer, args.compress_chunk, stream_length)
+        split: _load_samples(task, split, count, args.seed, tokenizer, stream_sizes, stream_length)
         for split, (task, count) in sorted(wanted.items(), key=lambda item: not _is_file(item[1][0]))
     }
     (train_samples, train_rows), (eval_samples, eval_rows) = drawn["train"], drawn.get("test", (None, None))
@@ -817,7 +845,6 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
 
     from transformers_ccm.hub import read_adapter, resolve_adapter
     from transformers_ccm.stream_evaluation import check_scorable, plot_stream, stream_nll
-    from transformers_ccm.streaming import StreamingConfig
     from transformers_ccm.tasks.text import long_text
 
     # Checked before the model loads: a slice by a negative --tokens dropped the end of the text, and a bad --bucket
@@ -839,13 +866,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         text = long_text("test") if args.text_file is None else Path(args.text_file).read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
-    ccm = StreamingConfig(
-        window_tokens=args.window_tokens,
-        sink_tokens=args.sink_tokens,
-        compress_chunk=args.compress_chunk,
-        max_memory_tokens=args.max_memory_tokens,
-        keep_window_full=args.keep_window_full,
-    )
+    ccm = _streaming_config(args)
     # The sizes against the adapter's own settings before its model loads; the model's positions once it has. The
     # baseline too: it failed only once CCM's stream was scored.
     adapter_config = read_adapter(resolve_adapter(args.adapter))[0]
@@ -1169,6 +1190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(text tasks) on every token of streams run through a streaming cache as `ccm stream-eval` runs them",
     )
     _add_keep_window_full(train)
+    _add_stream_sizes(train)
     train.add_argument(
         "--stream-chunks",
         type=int,
@@ -1268,15 +1290,8 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--text-file", default=None, help="a UTF-8 text file to stream (default: the held-out text)")
     stream.add_argument("--tokens", type=int, default=None, help="stream length (default: the whole text)")
     stream.add_argument("--piece", type=int, default=16, help="tokens fed per forward")
-    stream.add_argument("--window-tokens", type=int, default=148, help="recent tokens kept as they are")
-    stream.add_argument("--sink-tokens", type=int, default=4, help="first tokens kept for ever")
+    _add_stream_sizes(stream)
     stream.add_argument("--compress-chunk", type=int, default=32, help="tokens compressed at once")
-    stream.add_argument(
-        "--max-memory-tokens",
-        type=int,
-        default=None,
-        help="concat memory cap, oldest evicted first (default: 8, or the adapter's own cap where it has one)",
-    )
     _add_keep_window_full(stream)
     stream.add_argument("--bucket", type=int, default=1024, help="tokens per point of the perplexity plot")
     stream.add_argument(
