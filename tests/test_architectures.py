@@ -159,6 +159,25 @@ def test_peft_model_is_refused():
         CCMForCausalLM.from_base(peft_model, CCMConfig())
 
 
+def test_a_compiled_or_peft_base_is_refused_with_its_fix_by_from_base_and_from_pretrained(tmp_path):
+    """What torch.compile(base) returns is no PreTrainedModel: from_base blamed a PEFT model, and from_pretrained
+    (as for a PEFT model) failed in os.fspath with "expected str, bytes or os.PathLike object"."""
+    from peft import LoraConfig, get_peft_model
+
+    tiny_ccm("llama").save_pretrained(tmp_path)
+    base = tiny_base("llama")
+    compiled = torch.compile(base)  # compiles at its first call only: this costs nothing
+    fix = r"got torch.compile's OptimizedModule around a LlamaForCausalLM; pass the model itself \(compiled._orig_mod\)"
+    with pytest.raises(TypeError, match=fix):
+        CCMForCausalLM.from_base(compiled, CCMConfig())
+    with pytest.raises(TypeError, match=fix):
+        CCMForCausalLM.from_pretrained(tmp_path, base_model=compiled)
+    peft_model = get_peft_model(tiny_base("llama"), LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(TypeError, match=r"got PeftModel; for a PEFT model pass its base model"):
+        CCMForCausalLM.from_pretrained(tmp_path, base_model=peft_model)
+    assert not lora_layers(base) and not hasattr(base, "peft_config")
+
+
 def test_loading_arguments_with_a_loaded_model_are_refused():
     with pytest.raises(TypeError, match="loading arguments"):
         CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(), torch_dtype=torch.float16)

@@ -167,7 +167,9 @@ class AdapterHubMixin:
             local_files_only=local_files_only,
         )
         config, tensors = read_adapter(folder)
-        if isinstance(base_model, PreTrainedModel):
+        # Any module is taken as the loaded base: wrapping refuses one that is no transformers model with its fix (a
+        # torch.compile'd or PEFT model failed in os.fspath, "expected str, bytes or os.PathLike object").
+        if isinstance(base_model, nn.Module):
             if torch_dtype is not None or device_map is not None or base_kwargs:
                 raise TypeError(
                     "torch_dtype, device_map and loading arguments apply only when the base is loaded here."

@@ -91,6 +91,13 @@ def check_comp_room(config: CCMConfig, model: PreTrainedModel) -> None:
 
 def check_supported(model: PreTrainedModel) -> None:
     name = type(model).__name__
+    compiled = getattr(model, "_orig_mod", None)  # what torch.compile(model) returns holds the model it compiles
+    if not isinstance(model, PreTrainedModel) and isinstance(compiled, PreTrainedModel):
+        raise TypeError(
+            f"CCM wraps a transformers PreTrainedModel, got torch.compile's {name} around a {type(compiled).__name__}; "
+            "pass the model itself (compiled._orig_mod) and compile it in place with model.compile(), before or after "
+            "wrapping, or compile the CCM model."
+        )
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"CCM wraps a transformers PreTrainedModel, got {name}; for a PEFT model pass its base model "
