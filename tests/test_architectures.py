@@ -26,7 +26,15 @@ from transformers import (
 from ccm_reference import reference_logits
 from fault_injection import assert_same, snapshot
 from test_online import assert_greedy_generate_equals_parallel, online_logits, parallel_logits
-from tiny_models import MORE_ARCHITECTURES, more_tiny_base, randomize_adapter, tiny_base, tiny_ccm
+from tiny_models import (
+    MORE_ARCHITECTURES,
+    InjectedFailure,
+    fail_in_layer,
+    more_tiny_base,
+    randomize_adapter,
+    tiny_base,
+    tiny_ccm,
+)
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.lora import lora_layers
 
@@ -262,6 +270,68 @@ def test_a_model_refused_while_offloaded_computes_as_before_once_the_hooks_are_r
     torch.testing.assert_close(
         model(input_ids=torch.tensor([[9, 10]]), past_key_values=cache).logits, expected, rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("when", ["before wrapping", "after wrapping"])
+def test_a_base_dispatched_by_accelerate_with_its_hooks_computes_as_the_model_undispatched(when):
+    """accelerate's AlignDevicesHook (each module's forward replaced, its inputs moved to its device) beside CCM's own
+    forward hooks: the parallel and online paths, generate() and a failed compression, as on the model undispatched."""
+    expected = tiny_ccm("llama", update="merge")
+    if when == "after wrapping":
+        model = copy.deepcopy(expected)
+    else:
+        model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge"))
+    placement = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+    dispatch_model(model.base_model, placement | {"model.layers.0": "cpu", "model.layers.1": "cpu"}, force_hooks=True)
+    model = randomize_adapter(model) if when == "before wrapping" else model
+    assert hasattr(model.base_model.model.layers[1], "_hf_hook")
+    samples = [OnlineSample([[5, 6, 7], [8, 9]], [20, 21], [22]), OnlineSample([[10, 11]], [30], [31, 32])]
+    for got, want in [
+        (parallel_logits(model, samples), parallel_logits(expected, samples)),
+        (online_logits(model, samples), online_logits(expected, samples)),
+    ]:
+        for each, other in zip(got, want, strict=True):
+            torch.testing.assert_close(each, other, rtol=0, atol=0)
+    caches = [each.new_cache() for each in (model, expected)]
+    replies = []
+    for each, cache in zip((model, expected), caches, strict=True):
+        each.compress(cache, torch.tensor([[5, 6, 7]]))
+        replies.append(each.generate(torch.tensor([[9, 10]]), past_key_values=cache, max_new_tokens=3))
+        each.compress(cache)
+    assert torch.equal(replies[0], replies[1])
+    before = snapshot(caches[0])
+    handle = fail_in_layer(model, 1, after_calls=0)
+    with pytest.raises(InjectedFailure):
+        model.compress(caches[0], torch.tensor([[11, 12]]))
+    handle.remove()
+    assert_same(snapshot(caches[0]), before)
+
+
+@pytest.mark.slow
+def test_a_base_compiled_in_place_computes_as_the_uncompiled_one():
+    """torch.compile in place (`base.compile()`, before wrapping) traces CCM's forward hooks, LoRA gate and merge
+    memory into the compiled forward: the parallel and online paths and generate() give what the uncompiled model
+    gives. About 20 s on 2 cores."""
+    base = tiny_base("llama")
+    base.compile()
+    try:
+        model = randomize_adapter(CCMForCausalLM.from_base(base, CCMConfig(update="merge")))
+        expected = tiny_ccm("llama", update="merge")
+        samples = [OnlineSample([[5, 6, 7], [8, 9]], [20, 21], [22]), OnlineSample([[10, 11]], [30], [31, 32])]
+        for got, want in [
+            (parallel_logits(model, samples), parallel_logits(expected, samples)),
+            (online_logits(model, samples), online_logits(expected, samples)),
+        ]:
+            for each, other in zip(got, want, strict=True):
+                torch.testing.assert_close(each, other, rtol=0, atol=1e-5)
+        replies = []
+        for each in (model, expected):
+            cache = each.new_cache()
+            each.compress(cache, torch.tensor([[5, 6, 7]]))
+            replies.append(each.generate(torch.tensor([[9, 10]]), past_key_values=cache, max_new_tokens=4))
+        assert torch.equal(replies[0], replies[1])
+    finally:
+        torch._dynamo.reset()
 
 
 def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_left_as_it_was(tmp_path):
