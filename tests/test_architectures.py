@@ -374,6 +374,28 @@ def test_an_adapter_loaded_onto_weights_never_loaded_is_refused_and_the_model_le
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
+def test_a_model_wrapped_before_its_weights_were_loaded_streams_as_the_model_they_come_from():
+    """Wrapped under init_empty_weights, CCM cannot run the base model to learn whether rotation moves its keys: a
+    Llama given its weights afterwards (as load_checkpoint_and_dispatch does) refused streaming as a model with learned
+    absolute positions, and could not re-base a memory at its last positions."""
+    loaded = tiny_ccm("llama")
+    with init_empty_weights():
+        base = AutoModelForCausalLM.from_config(tiny_base("llama").config)
+    model = CCMForCausalLM.from_base(base, CCMConfig())
+    for name, tensor in [*loaded.state_dict().items(), *loaded.named_buffers()]:
+        set_module_tensor_to_device(model, name, "cpu", value=tensor)
+    model.eval()
+    streaming = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4)
+    ids = (torch.arange(14) * 7 % 90 + 3)[None]
+    logits = []
+    for each in (model, loaded):
+        cache = each.new_cache(streaming=streaming)
+        pieces = [each(input_ids=piece, past_key_values=cache).logits for piece in ids.split(7, dim=1)]
+        assert cache.stream_lengths[0, 1] > 0  # chunks were compressed into memory slots
+        logits.append(torch.cat(pieces, dim=1))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
 def test_a_model_moved_to_the_meta_device_is_refused_and_its_cache_left_as_it_was():
     """`to("meta")` puts new parameters in place without torch's registration hooks: the model kept its listing of the
     weights it had, new_cache() made a cache of the meta device, and calls failed inside torch."""

@@ -186,8 +186,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         it, also part of it)."""
         base_model = self.base_model
         self._rotary_module = KeyRotation.module_name(base_model)
-        # Checked on the model as it was given, before anything is added to it.
-        self._keys_movable = probe_base_model(base_model, self._rotary_module)
+        # Checked on the model as it was given, before anything is added to it (None: its weights are not loaded yet).
+        self._keys_movable: bool | None = probe_base_model(base_model, self._rotary_module)
         inject_lora(base_model, config)
         self._lora_config = base_model.peft_config[ADAPTER_NAME]  # `_check_lora_layers`
         base_model.requires_grad_(False)
@@ -591,6 +591,11 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """What this model's caches need to know of it (shapes, positions, rotary frequencies, signature)."""
         text_config = self._text_config
         kv_heads, head_dim = key_shape(text_config)
+        signature = self.memory_signature()  # refused while weights are offloaded or on the meta device
+        if self._keys_movable is None:
+            # Wrapped before its weights were loaded (init_empty_weights, then accelerate's load_checkpoint_and_dispatch
+            # or set_module_tensor_to_device): probed now that they are, or streaming was refused for a Llama.
+            self._keys_movable = probe_base_model(self.base_model, self._rotary_module)
         # Read now, not when the model was wrapped: a cast since then rounded the frequencies the model rotates with.
         rotation = rebase_rotation = None
         if self._keys_movable:
@@ -598,7 +603,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             rebase_rotation = KeyRotation.of_model(self.base_model, self._rotary_module, at_max_positions=True)
         return CacheSpec(
             config=self.config,
-            signature=self.memory_signature(),
+            signature=signature,
             num_layers=text_config.num_hidden_layers,
             kv_heads=kv_heads,
             head_dim=head_dim,

@@ -249,16 +249,17 @@ _PROBE_KWARG = "ccm_probe"
 
 
 @torch.no_grad()
-def probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool:
+def probe_base_model(model: PreTrainedModel, rotary_module: str | None) -> bool | None:
     """Run `model` on a few tokens at positions `0..n-1` (and, for a rotary model, at `shift..shift+n-1`). Raise a
     TypeError if its layers do not hand the forward's keyword arguments on to attention: CCM's masks and memory travel
     that way (Nemotron's decoder layers drop them; merge and EMA failed on a shape). Returns whether `KeyRotation`
     moves its keys where its own forward puts them, in every layer: not for rotary layouts other than `rotate_half`
     (interleaved pairs, as in Cohere, GLM, Helium and GPT-J), nor for layers without positions (SmolLM3 or Cohere 2
-    NoPE layers); streaming and re-basing would move those keys to wrong positions."""
+    NoPE layers); streaming and re-basing would move those keys to wrong positions. None, probing nothing, for weights
+    not loaded yet (the meta device: `init_empty_weights`), which accelerate may put in place later: probe it then."""
     embeddings = model.get_input_embeddings().weight
     if embeddings.is_meta:
-        return False
+        return None
     rotary = None if rotary_module is None else model.get_submodule(rotary_module)
     # A table of sines and cosines instead of frequencies (GPT-J, CodeGen) is in interleaved pairs.
     movable = rotary is not None and any(name.endswith("inv_freq") for name, _ in rotary.named_buffers())
