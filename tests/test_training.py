@@ -25,6 +25,7 @@ from tiny_models import (
     InjectedFailure,
     confident_tiny_llama,
     fail_in_layer,
+    more_tiny_base,
     randomize_adapter,
     tiny_base,
     tiny_full_context_baseline,
@@ -121,6 +122,43 @@ def test_two_runs_from_one_seed_train_the_same_adapter_bit_for_bit(tmp_path, upd
         adapters.append(model.adapter_tensors())
     first, second = adapters
     assert [name for name, tensor in first.items() if not torch.equal(tensor, second[name])] == []
+
+
+def test_two_runs_from_one_seed_train_a_mixture_of_experts_the_same_adapter_bit_for_bit(tmp_path):
+    """Each token goes to 4 experts (as in Qwen2-MoE): transformers gathers the tokens by expert with repeated
+    indices, whose gradient torch summed in a thread-dependent order once a batch held ~1,000 tokens; the run now
+    uses torch's deterministic algorithms, and gives the caller's setting back."""
+    samples = [recall_sample(random.Random(seed)) for seed in range(128)]
+    recipe = TrainingRecipe(steps=2, batch_size=128, save_every=2, learning_rate=1e-2)
+    adapters = []
+    for run in ("first", "second"):
+        model = CCMForCausalLM.from_base(more_tiny_base("qwen2_moe", num_experts_per_tok=4), CCMConfig())
+        train(model, None, samples, None, tmp_path / run, recipe)
+        adapters.append(model.adapter_tensors())
+        assert not torch.are_deterministic_algorithms_enabled()
+    first, second = adapters
+    assert [name for name, tensor in first.items() if not torch.equal(tensor, second[name])] == []
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_train_gives_back_the_callers_deterministic_algorithms_setting(tmp_path, fails):
+    """The run turns torch's deterministic algorithms on for itself; a caller who had them on in warn-only mode has
+    them so again, whether the run ends or fails."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
+    if fails:
+        fail_in_layer(model, 0, 0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        try:
+            train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path, recipe)
+        except InjectedFailure:
+            assert fails
+        else:
+            assert not fails
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -122,10 +122,12 @@ def _more_configs() -> dict[str, PretrainedConfig]:
 MORE_ARCHITECTURES = tuple(_more_configs())
 
 
-def more_tiny_base(model_type: str, seed: int = 0) -> PreTrainedModel:
-    """A tiny random model of one of `MORE_ARCHITECTURES`."""
+def more_tiny_base(model_type: str, seed: int = 0, **settings: object) -> PreTrainedModel:
+    """A tiny random model of one of `MORE_ARCHITECTURES`, its config changed by `settings`."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_more_configs()[model_type]).eval()
+    config = _more_configs()[model_type]
+    config.update(settings)
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def tiny_base(architecture: str, seed: int = 0) -> PreTrainedModel:

@@ -383,7 +383,8 @@ def train(
     `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included), with a
     checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule. The run
     draws its randomness from `recipe.seed`; the global generators (Python's, numpy's, torch's) are the caller's again
-    when it returns or fails.
+    when it returns or fails. On a CPU the run uses torch's deterministic algorithms, so that one seed trains one
+    adapter bit for bit; the caller's setting (`torch.use_deterministic_algorithms`) comes back afterwards.
     """
     _refuse_sharded_launch()
     _refuse_disabled_gradients()
@@ -519,6 +520,7 @@ def _run(
             # random, and a module the caller kept in another mode than the model's stays in it.
             with (
                 modes_kept(model),
+                _deterministic_for_the_run(trainer.args.device),
                 _evaluating_for_the_run(teacher),
                 _checkpointing_for_the_run(model, gradient_checkpointing),
                 # accelerate marks the model it prepared, and skips any model so marked: a second run on the same
@@ -556,6 +558,25 @@ def _attribute_kept(holder: object, name: str) -> Iterator[None]:
             attributes[name] = value
         else:
             attributes.pop(name, None)
+
+
+@contextmanager
+def _deterministic_for_the_run(device: torch.device) -> Iterator[None]:
+    """Within the context, on a CPU, torch runs its deterministic algorithms; the caller's setting comes back when it
+    ends, also on an error. A gradient gathered from repeated indices (a mixture-of-experts layer sending each token
+    to 3 or more experts, as Qwen2-MoE and gpt-oss do) was summed by racing threads once a batch passed about 32k
+    elements, so two runs from one seed trained two adapters. On a GPU, where torch's deterministic mode refuses
+    operations that have no such algorithm (matrix products, without CUBLAS_WORKSPACE_CONFIG), it is left as it is."""
+    if device.type != "cpu":
+        yield
+        return
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 @contextmanager
