@@ -756,6 +756,20 @@ def test_load_adapter_extends_targets_when_asked(tmp_path):
     assert torch.equal(_logits_from_memory(target), _logits_from_memory(source))
 
 
+def test_an_adapter_config_lists_its_target_modules_in_one_order_whatever_the_process(tmp_path):
+    """PEFT holds a list of target modules as a set and wrote them in the set's order, which each process's string
+    hashing changes: one adapter saved in two processes gave two adapter_config.json files (and manifests). They are
+    written sorted, also when the list was given in another order."""
+    targets = [*_WITH_MLP, "gate_proj"]
+    for name, order in (("given", targets), ("reversed", targets[::-1])):
+        _adapter(None, target_modules=order).save_pretrained(tmp_path / name)
+    first, second = ((tmp_path / name / "adapter_config.json").read_bytes() for name in ("given", "reversed"))
+    assert json.loads(first)["target_modules"] == sorted(targets) and first == second
+    assert CCMForCausalLM.from_pretrained(tmp_path / "given", base_model=tiny_base("llama")).config.target_modules == (
+        targets
+    )
+
+
 def _logits_from_memory(model):
     cache = model.new_cache()
     model.compress(cache, CONTEXT)

@@ -106,6 +106,11 @@ def save_adapter(
     lora_config.base_model_name_or_path = config.base_model_name_or_path
     lora_config.revision = config.base_model_revision
     lora_config.task_type = PEFT_TASK_TYPE
+    # PEFT holds a list of target modules as a set and writes it in the set's order, which changes with each process's
+    # string hashing: one adapter saved twice gave two adapter_config.json files (and manifests). Sorted, it gives one.
+    for name in _PEFT_TARGETING:
+        if isinstance(getattr(lora_config, name, None), set):
+            setattr(lora_config, name, sorted(getattr(lora_config, name)))
     prefixed = {
         (key if key == COMP_EMBEDDINGS_KEY else PEFT_PREFIX + key): value for key, value in _snapshot(tensors).items()
     }
