@@ -46,6 +46,26 @@ def test_deterministic_by_seed(task):
     assert make_samples(task, "train", 12, seed=3) != make_samples(task, "test", 12, seed=3)
 
 
+def test_samples_drawn_in_several_threads_at_once_are_those_drawn_alone():
+    """The document family's Faker prose comes from one Faker that each call seeds and draws from: calls in several
+    threads at once drew from one another's seeds, so a seed no longer gave its samples."""
+    draws = [(task, seed) for task in (*TASKS, MIXTURE) for seed in range(2)] + [("document", seed) for seed in (2, 3)]
+    alone = [make_samples(task, "train", 60, seed=seed) for task, seed in draws]
+    together: dict[int, list[OnlineSample]] = {}
+    start = threading.Barrier(len(draws))
+
+    def draw(index: int) -> None:
+        start.wait()
+        together[index] = make_samples(*draws[index][:1], "train", 60, seed=draws[index][1])
+
+    threads = [threading.Thread(target=draw, args=(index,)) for index in range(len(draws))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [index for index in range(len(draws)) if together[index] != alone[index]] == []
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_pools_split_by_identity(pool):
     train, test = set(words(pool, "train")), set(words(pool, "test"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,16 +61,23 @@ def _faker() -> Any:
     return Faker("en_US")
 
 
+# One Faker serves every call, each seeding it and drawing from it: calls in several threads at once drew from one
+# another's seeds, and gave other samples than the same calls one after another.
+_FAKER_LOCK = threading.Lock()
+
+
 def _lorem(rng: random.Random, split: Split, count: int) -> list[str]:
     fake = _faker()
-    fake.seed_instance(rng.getrandbits(32))
+    seed = rng.getrandbits(32)
     vocabulary = list(words("word", split))
     passages = []
-    for _ in range(count):
-        passage = fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
-        while len(passage.split()) < 2 * PROMPT_WORDS:  # Faker's paragraphs can be a word or two long
-            passage += " " + fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
-        passages.append(passage)
+    with _FAKER_LOCK:
+        fake.seed_instance(seed)
+        for _ in range(count):
+            passage = fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
+            while len(passage.split()) < 2 * PROMPT_WORDS:  # Faker's paragraphs can be a word or two long
+                passage += " " + fake.paragraph(nb_sentences=3, ext_word_list=vocabulary)
+            passages.append(passage)
     return passages
 
 
