@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import io
 import os
@@ -860,12 +861,11 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     figure()
     if args.text_file and not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file} is not a file.")
-    # A byte-order mark, as some editors write one, is not part of the text (it was streamed and scored); line ends
-    # are, as the file has them (read_text turned "\r\n" into "\n", and scored another stream than the file's).
-    try:
-        text = long_text("test") if args.text_file is None else Path(args.text_file).read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
+    if args.text_file is None:
+        read = functools.partial(_string_prefix, long_text("test"))
+    else:
+        read = functools.partial(_file_prefix, args.text_file)
+    read(None if args.tokens is None else _first_prefix(args.tokens))  # not UTF-8: refused before the model loads
     ccm = _streaming_config(args)
     # The sizes against the adapter's own settings before its model loads; the model's positions once it has. The
     # baseline too: it failed only once CCM's stream was scored.
@@ -873,7 +873,7 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
     ccm.validate(adapter_config, None)
     check_scorable(adapter_config, ccm.same_size_baseline(adapter_config))
     model, tokenizer = _load_ccm(args.adapter, args.model, args.device)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens], dtype=torch.long)
+    ids = torch.tensor(_leading_ids(tokenizer, read, args.tokens), dtype=torch.long)
     if ids.shape[0] < 2:
         raise ValueError(
             f"--text-file {args.text_file} holds {ids.shape[0]} token(s); a stream needs 2 or more: give a longer text."
@@ -906,6 +906,56 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         },
     )
     print(f"wrote {output / 'stream_eval.json'} and {output / 'stream_eval.png'}")
+
+
+def _file_prefix(path: str, size: int | None) -> tuple[str, bool]:
+    r"""The text of the first `size` bytes of the UTF-8 file at `path` (all of it for None; a character cut at the end
+    left out) and whether that is the whole file. A byte-order mark, as some editors write one, is not part of the
+    text (it was streamed and scored); line ends are, as the file has them (`read_text` turned "\r\n" into "\n",
+    another stream than the file's)."""
+    with open(path, "rb") as file:
+        data = file.read(-1 if size is None else size + 1)  # a byte more tells whether the file goes on
+    whole = size is None or len(data) <= size
+    try:
+        return codecs.getincrementaldecoder("utf-8-sig")().decode(data[:size], final=whole), whole
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--text-file {path} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
+
+
+def _string_prefix(text: str, size: int | None) -> tuple[str, bool]:
+    """`_file_prefix` for a text in memory (`size` characters)."""
+    return (text, True) if size is None or size >= len(text) else (text[:size], False)
+
+
+def _first_prefix(tokens: int) -> int:
+    """How much of a text `_leading_ids` reads first for `tokens` tokens: a few times what English takes (about 4
+    bytes a token)."""
+    return 8 * tokens + 4096
+
+
+def _leading_ids(
+    tokenizer: PreTrainedTokenizerBase, read: Callable[[int | None], tuple[str, bool]], tokens: int | None
+) -> list[int]:
+    """The ids of the first `tokens` tokens of the text that `read(size)` gives a prefix of (`_file_prefix`), all of
+    them for None. A long file is not tokenized whole (a corpus of gigabytes held its ids in memory for a stream of
+    thousands): prefixes twice as long each time, until two of them agree on those ids and go on well past them, so
+    the token that a prefix's end cuts lies past them too."""
+    if tokens is None:
+        return tokenizer(read(None)[0], add_special_tokens=False)["input_ids"]
+    size, earlier = _first_prefix(tokens), None
+    while True:
+        text, whole = read(size)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if whole:
+            return ids[:tokens]
+        leading = ids[:tokens] if len(ids) >= tokens + _PAST_THE_CUT else None
+        if leading is not None and leading == earlier:
+            return leading
+        earlier, size = leading, 2 * size
+
+
+# How many tokens past the stream's last one a prefix must reach before its ids are compared.
+_PAST_THE_CUT = 64
 
 
 def _write_report(folder: Path, writes: dict[str, Callable[[str], object]]) -> None:
