@@ -166,6 +166,30 @@ def test_train_continues_an_adapter_with_more_comp_tokens(tiny_model, tmp_path, 
     assert all(torch.equal(before[name], after[name]) for name in before if name != "ccm.comp_embeddings")
 
 
+def test_train_refuses_more_comp_tokens_than_the_continued_adapters_cap_naming_the_flags(tmp_path, capsys):
+    """--num-comp-tokens past the concat cap of the --init-adapter was refused with CCMConfig's own words (its
+    max_memory_tokens "must be None or an integer >= num_comp_tokens"), which named neither flag nor the fix, after the
+    command had announced the resize; refused now before it, with both flags and the most it takes."""
+    tiny_ccm("llama", max_memory_tokens=3).save_pretrained(tmp_path / "capped")
+    with pytest.raises(SystemExit) as exit_info:
+        train(
+            str(tmp_path / "no-model"),
+            tmp_path / "run",
+            1,
+            "--init-adapter",
+            str(tmp_path / "capped"),
+            "--num-comp-tokens",
+            "4",
+        )
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"ccm train: error: --init-adapter {tmp_path / 'capped'} caps concat memory at 3 slots, fewer than one context "
+        "of --num-comp-tokens 4; pass --num-comp-tokens 3 or fewer.\n"
+    )
+    assert "except --num-comp-tokens" not in captured.out and not (tmp_path / "run").exists()
+
+
 def test_train_continues_an_adapter_with_more_lora_targets(tiny_model, tmp_path, capsys):
     from safetensors.torch import load_file
 

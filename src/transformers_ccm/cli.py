@@ -326,7 +326,7 @@ def _initial_adapter_config(
 ) -> CCMConfig:
     """The structure of the adapter that `ccm train --init-adapter` continues, with the requested card text,
     `num_comp_tokens` `<COMP>` tokens and LoRA `target_modules` where given."""
-    from transformers_ccm.hub import read_adapter, resolve_adapter
+    from transformers_ccm.hub import check_cap_holds_resize, read_adapter, resolve_adapter
 
     config, _ = read_adapter(resolve_adapter(adapter))
     if config.conditional_lora != requested.conditional_lora:
@@ -342,6 +342,14 @@ def _initial_adapter_config(
     )
     print(f"continuing {adapter}: its structure is kept ({kept})")
     if num_comp_tokens is not None and num_comp_tokens != config.num_comp_tokens:
+        # Before the resize is announced: the adapter's cap refused it with CCMConfig's words, naming no flag.
+        check_cap_holds_resize(
+            config,
+            num_comp_tokens,
+            f"--init-adapter {adapter}",
+            f"--num-comp-tokens {num_comp_tokens}",
+            "pass --num-comp-tokens {cap} or fewer",
+        )
         kept_embeddings = (
             "its <COMP> embeddings are kept, and extra ones start as copies of its last"
             if num_comp_tokens > config.num_comp_tokens

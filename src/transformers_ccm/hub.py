@@ -575,6 +575,17 @@ def _what_is_there(folder: Path) -> str:
     return f"no {CONFIG_NAME} among {files}."
 
 
+def check_cap_holds_resize(config: CCMConfig, count: int, adapter: str, asked: str, fix: str) -> None:
+    """Raise unless the concat cap of a saved adapter's `config` (the adapter named `adapter`) holds one context of
+    `count` `<COMP>` tokens (`asked` names that count to the user), as resizing the adapter to them needs: CCMConfig's
+    own refusal named neither the adapter nor the resize. `fix` says how to resize it, with `{cap}` for the cap."""
+    cap = config.max_memory_tokens
+    if cap is not None and cap < count:
+        raise ValueError(
+            f"{adapter} caps concat memory at {cap} slots, fewer than one context of {asked}; {fix.format(cap=cap)}."
+        )
+
+
 def check_base_shape(config: CCMConfig, base_name: str, base_shape: dict[str, Any]) -> None:
     """Raise, naming both models, if `base_shape` is not the shape the adapter was made for."""
     expected = config.base_model_shape or {}

@@ -24,6 +24,7 @@ from transformers_ccm.embedded import load_base_config, load_base_model, resolve
 from transformers_ccm.hub import (
     COMP_EMBEDDINGS_KEY,
     check_base_shape,
+    check_cap_holds_resize,
     check_flags,
     push_adapter,
     read_adapter,
@@ -252,12 +253,14 @@ class AdapterHubMixin:
             saved_comp = tensors.get(COMP_EMBEDDINGS_KEY)
             # A missing or malformed embedding is left as it is, for the checks below to reject with their message.
             if resize_comp_tokens and saved_comp is not None and saved_comp.ndim == 2 and len(saved_comp):
-                n, cap = self.config.num_comp_tokens, config.max_memory_tokens
-                if cap is not None and cap < n:  # CCMConfig's own refusal named neither the adapter nor the resize
-                    raise ValueError(
-                        f"The adapter at {folder} caps concat memory at {cap} slots, fewer than one context of this "
-                        f"model's {n} <COMP> tokens; resize it to at most {cap} <COMP> tokens."
-                    )
+                n = self.config.num_comp_tokens
+                check_cap_holds_resize(
+                    config,
+                    n,
+                    f"The adapter at {folder}",
+                    f"this model's {n} <COMP> tokens",
+                    "resize it to at most {cap} <COMP> tokens",
+                )
                 tensors = {**tensors, COMP_EMBEDDINGS_KEY: _resized(saved_comp, n)}
                 config = replace(config, num_comp_tokens=n)
             if targeted(self.base_model, config.target_modules) == targeted(
