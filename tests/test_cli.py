@@ -1291,6 +1291,27 @@ def test_a_model_or_adapter_path_that_is_no_folder_is_named(tiny_model, tmp_path
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
+        ("--update ema --ema-alpha 0", "ccm train: error: --ema-alpha must be a number in (0, 1], got 0.0.\n"),
+        ("--update ema --ema-alpha nan", "ccm train: error: --ema-alpha must be a number in (0, 1], got nan.\n"),
+        ("--ema-alpha 1.5", "ccm train: error: --ema-alpha must be a number in (0, 1], got 1.5.\n"),
+        ("--num-comp-tokens 0", "ccm train: error: --num-comp-tokens must be a positive integer, got 0.\n"),
+        ("--lora-r -2", "ccm train: error: --lora-r must be a positive integer, got -2.\n"),
+    ],
+)
+def test_train_refuses_adapter_settings_naming_their_flags(tmp_path, capsys, arguments, message):
+    """A bad --ema-alpha, --num-comp-tokens or --lora-r was refused in CCMConfig's words ("CCMConfig.ema_alpha must
+    be ..."), which named no flag of the command."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["train", "--model", str(tmp_path / "no-model"), "--output-dir", str(tmp_path / "out"), *arguments.split()]
+        )
+    assert exit_info.value.code == 2 and capsys.readouterr().err == message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
         # Drawn as no sample: the run went without evaluation, without a word.
         ("--eval-samples -3", "--eval-samples must be at least 0 (0: no evaluation), got -3"),
         # The Trainer's seed for numpy failed once the model had loaded.

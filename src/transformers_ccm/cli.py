@@ -107,9 +107,20 @@ _RECIPE_FLAGS = {
 }
 
 
+# The `ccm train` flag that sets each CCMConfig field of a new adapter.
+_CONFIG_FLAGS = {
+    "num_comp_tokens": "--num-comp-tokens",
+    "update": "--update",
+    "ema_alpha": "--ema-alpha",
+    "r": "--lora-r",
+    "target_modules": "--target-modules",
+}
+
+
 def _in_flags(error: ValueError) -> ValueError:
-    """`error` in the words of `ccm train`: each TrainingRecipe field it names as the flag that sets it."""
-    return ValueError(re.sub(r"TrainingRecipe\.(\w+)", lambda m: _RECIPE_FLAGS.get(m[1], m[0]), str(error)))
+    """`error` in the words of `ccm train`: each TrainingRecipe or CCMConfig field it names as the flag that sets it."""
+    flags = {"TrainingRecipe": _RECIPE_FLAGS, "CCMConfig": _CONFIG_FLAGS}
+    return ValueError(re.sub(r"(TrainingRecipe|CCMConfig)\.(\w+)", lambda m: flags[m[1]].get(m[2], m[0]), str(error)))
 
 
 def _in_file_rows(error: ValueError, rows: dict[str, tuple[str | None, list[int] | None]]) -> ValueError:
@@ -239,17 +250,22 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ValueError as error:  # in the command's words: the flag, not the TrainingRecipe field it sets
         raise _in_flags(error) from None
     torch.manual_seed(args.seed)  # once the recipe has checked it: torch named no flag for a seed past 64 bits
-    config = CCMConfig(
-        num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
-        update=args.update,
-        ema_alpha=args.ema_alpha,
-        r=args.lora_r,
-        target_modules=args.target_modules,
-        trained_on=args.trained_on
-        or (
-            f"transformers-ccm built-in task '{args.task}'" if not _is_file(args.task) else os.path.basename(args.task)
-        ),
-    )
+    try:
+        config = CCMConfig(
+            num_comp_tokens=CCMConfig.num_comp_tokens if args.num_comp_tokens is None else args.num_comp_tokens,
+            update=args.update,
+            ema_alpha=args.ema_alpha,
+            r=args.lora_r,
+            target_modules=args.target_modules,
+            trained_on=args.trained_on
+            or (
+                f"transformers-ccm built-in task '{args.task}'"
+                if not _is_file(args.task)
+                else os.path.basename(args.task)
+            ),
+        )
+    except ValueError as error:  # in the command's words: `--ema-alpha 0` was refused as CCMConfig.ema_alpha
+        raise _in_flags(error) from None
     if args.method == "full-context":
         config = full_context_config(config)
     if args.distill_teacher:
