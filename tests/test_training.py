@@ -556,6 +556,24 @@ def test_resume_refuses_a_checkpoint_of_another_adapter(tmp_path_factory, two_ch
     assert sorted(path.name for path in run.iterdir()) == sorted(path.name for path in folder.iterdir())
 
 
+def test_resume_refuses_an_ema_checkpoint_of_another_alpha_naming_the_flag(tmp_path):
+    """An EMA run resumed with another ema_alpha is refused (each memory would mix its compressions otherwise than the
+    checkpoint was trained to read), and the fix names --ema-alpha among the flags to give as the run did: it named
+    --update, --num-comp-tokens, --lora-r, --target-modules and --method, none of which differed."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0, update="ema", ema_alpha=0.5))
+    samples = [recall_sample(random.Random(seed)) for seed in range(2)]
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
+    train(model, None, samples, None, tmp_path / "run", recipe)
+    check_resume(tmp_path / "run", replace(model.config, base_model_shape=None), recipe)  # the same alpha resumes
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-1 holds another adapter \(ema_alpha: checkpoint 0\.5 vs model 0\.25\); build the model as "
+        r"the run that wrote it did \(ccm train: the same --update, --ema-alpha, --num-comp-tokens, --lora-r, "
+        r"--target-modules and --method\)",
+    ):
+        check_resume(tmp_path / "run", CCMConfig(lora_dropout=0.0, update="ema", ema_alpha=0.25), recipe)
+
+
 def test_resume_refuses_a_checkpoint_trained_on_other_samples(tmp_path_factory, two_checkpoints):
     """It went on from the checkpoint's step and data order on the new samples, and the adapter's card named them."""
     folder, samples = two_checkpoints

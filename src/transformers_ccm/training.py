@@ -840,8 +840,8 @@ def check_resume(
         details = ", ".join(f"{n}: checkpoint {getattr(saved, n)!r} vs model {getattr(config, n)!r}" for n in different)
         raise ValueError(
             f"{checkpoint} holds another adapter ({details}); build the model as the run that wrote it did (ccm train: "
-            "the same --update, --num-comp-tokens, --lora-r, --target-modules and --method), or train anew into "
-            "another output folder."
+            "the same --update, --ema-alpha, --num-comp-tokens, --lora-r, --target-modules and --method), or train "
+            "anew into another output folder."
         )
     if saved.trained_on != config.trained_on:
         # Another task went on from the checkpoint's step and data order without a word, and the final adapter's card
