@@ -190,6 +190,19 @@ def test_train_refuses_more_comp_tokens_than_the_continued_adapters_cap_naming_t
     assert "except --num-comp-tokens" not in captured.out and not (tmp_path / "run").exists()
 
 
+def test_train_continuing_an_ema_adapter_says_the_ema_alpha_it_keeps(tmp_path, capsys):
+    """The EMA coefficient is part of the update rule an --init-adapter keeps: a --ema-alpha given was ignored, and the
+    notice of what is kept named the update rule without it."""
+    tiny_ccm("llama", update="ema", ema_alpha=0.25).save_pretrained(tmp_path / "ema")
+    asked = CCMConfig(update="ema", ema_alpha=0.9, trained_on="mine")
+    config = cli_module._initial_adapter_config(str(tmp_path / "ema"), asked, None, None)
+    assert (config.update, config.ema_alpha) == ("ema", 0.25)
+    assert capsys.readouterr().out == (
+        f"continuing {tmp_path / 'ema'}: its structure is kept (--update ema, --ema-alpha 0.25, --num-comp-tokens 2, "
+        "--lora-r 8)\n"
+    )
+
+
 def test_train_continues_an_adapter_with_more_lora_targets(tiny_model, tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -352,9 +352,11 @@ def _initial_adapter_config(
         raise SystemExit(
             f"--init-adapter {adapter} is a {kind} adapter, but --method asks for {asked}; pass --method {method}."
         )
+    # The EMA coefficient is part of the update rule it keeps: a --ema-alpha given was ignored without a word.
+    alpha = (("--ema-alpha", "ema_alpha"),) if config.update == "ema" else ()
     kept = ", ".join(
         f"{flag} {getattr(config, name)}"
-        for flag, name in (("--update", "update"), ("--num-comp-tokens", "num_comp_tokens"), ("--lora-r", "r"))
+        for flag, name in (("--update", "update"), *alpha, ("--num-comp-tokens", "num_comp_tokens"), ("--lora-r", "r"))
     )
     print(f"continuing {adapter}: its structure is kept ({kept})")
     if num_comp_tokens is not None and num_comp_tokens != config.num_comp_tokens:
@@ -1246,8 +1248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-adapter",
         default=None,
         help="start from this adapter (a folder, Hub id or ccm:name) instead of a fresh one; its update rule and "
-        "LoRA shape are kept (--update and --lora-r are ignored), and its <COMP> count and LoRA targets unless "
-        "--num-comp-tokens or --target-modules asks for others",
+        "LoRA shape are kept (--update, --ema-alpha and --lora-r are ignored), and its <COMP> count and LoRA targets "
+        "unless --num-comp-tokens or --target-modules asks for others",
     )
     train.add_argument(
         "--method",
