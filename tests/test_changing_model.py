@@ -406,6 +406,34 @@ def test_a_models_ema_coefficient_may_change_and_refuses_the_memories_made_befor
             model.compress(earlier, PROMPT)
 
 
+def test_a_caches_config_records_the_settings_its_memory_was_made_with():
+    """A cache held its model's own config, so that it reported the model's later settings as its memory's. Once the
+    model took another config (load_adapter, or one set whole), the cache kept the one it had shared: set back to the
+    cache's rule (`model.config.ema_alpha = 0.9`, then `model.config = replace(model.config, ema_alpha=0.5)`), the
+    model accepted the cache and folded it with 0.9 under a signature (and into a file) that named 0.5; and a change
+    to `cache.config` changed how that cache folded."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="ema", ema_alpha=0.5)))
+    unchanged = copy.deepcopy(model)
+    cache, alone = model.new_cache(2), unchanged.new_cache(2)
+    model.compress(cache, PROMPT)
+    model.config.ema_alpha = 0.9
+    assert cache.config == replace(model.config, ema_alpha=0.5) and cache.signature["ema_alpha"] == 0.5
+    model.config = replace(model.config, ema_alpha=0.5)
+    for each in (cache, copy.deepcopy(cache)):
+        with pytest.raises(
+            ValueError,
+            match=r"CCMConfig\.ema_alpha of a cache's config \(cache\.config\) cannot change: it records the settings "
+            r"the cache's memory was made with\. Change the model's config \(model\.config\)",
+        ):
+            each.config.ema_alpha = 0.2
+        assert each.config.ema_alpha == 0.5
+    model.compress(cache, PROMPT.flip(1))
+    unchanged.compress(alone, PROMPT)
+    unchanged.compress(alone, PROMPT.flip(1))
+    assert_same(snapshot(cache), snapshot(alone))
+    assert replace(cache.config, ema_alpha=0.2).ema_alpha == 0.2  # a config made from it is one of its own
+
+
 RULE_CHANGES: dict[str, tuple[bool, Callable[[CCMConfig], Any]]] = {
     # name: (whether it changes the memory's rule, the change to the model's config)
     "ema_alpha": (True, lambda config: setattr(config, "ema_alpha", 0.9)),

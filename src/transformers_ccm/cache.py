@@ -114,7 +114,8 @@ class CacheSpec:
     """Everything a cache needs to know of the model that fills it: data only, never the model itself.
 
     Attributes:
-        config: the adapter's settings (update rule, `<COMP>` length, concat cap).
+        config: the adapter's settings (update rule, `<COMP>` length, concat cap) as the memory is made with them: a
+            record that refuses changes (`CCMConfig._record`).
         signature: what a memory depends on: base model, its weights and config, adapter weights and LoRA
             settings, update rule (see `CCMForCausalLM.memory_signature`). A model or file with another signature
             is refused.
@@ -504,7 +505,7 @@ class CompressedMemoryCache(Cache):
 
     @property
     def config(self) -> CCMConfig:
-        """The adapter configuration of the model that made this cache."""
+        """The adapter configuration of the model that made this cache, as it was then (it refuses changes)."""
         return self.spec.config
 
     @property

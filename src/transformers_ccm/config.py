@@ -176,6 +176,12 @@ class CCMConfig:
         """Set a field as the constructor takes it, checked with the rest of the config (a `ValueError` leaves the
         config as it was): set unchecked, `model.config.ema_alpha = 2.0` made every EMA memory grow without bound, and
         `update = "mean"` folded as EMA under a signature that named another rule."""
+        if name in _FIELD_NAMES and self.__dict__.get("_recorded", False):
+            raise ValueError(
+                f"CCMConfig.{name} of a cache's config (cache.config) cannot change: it records the settings the "
+                "cache's memory was made with. Change the model's config (model.config), whose memories made before "
+                "are then refused, and make a new cache with model.new_cache()."
+            )
         if name in _FIELD_NAMES and self.__dict__.get("_checked", False):
             value = getattr(replace(self, **{name: value}), name)  # as normalised (`_frozen`)
             if name in self.__dict__.get("_built", ()) and value != getattr(self, name):
@@ -189,6 +195,16 @@ class CCMConfig:
     def _hold_built_fields(self) -> None:
         """Refuse, from now on, a change of the fields a model was built with (`BUILT_FIELDS`): this is its config."""
         self.__dict__["_built"] = BUILT_FIELDS
+
+    def _record(self) -> CCMConfig:
+        """A copy that refuses every change: a cache's record of the settings its memory is made with
+        (`CacheSpec.config`). A cache held the model's own config, which reported the model's later settings as its
+        memory's; and once the model took another config (`load_adapter`), `cache.config.ema_alpha = 0.2` changed
+        how that cache folded while its signature still named the rule it was made with. `dataclasses.replace` of
+        it is a config of its own again."""
+        record = replace(self)
+        record.__dict__["_recorded"] = True
+        return record
 
     def __getstate__(self) -> dict[str, Any]:
         """The config without a model's hold (`_hold_built_fields`): a copy (`copy.deepcopy`, a pickle) is a config of

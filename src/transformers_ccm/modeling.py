@@ -602,7 +602,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
             rotation = KeyRotation.of_model(self.base_model, self._rotary_module)
             rebase_rotation = KeyRotation.of_model(self.base_model, self._rotary_module, at_max_positions=True)
         return CacheSpec(
-            config=self.config,
+            config=self.config._record(),  # the settings of the memory made now, whatever the model's become
             signature=signature,
             num_layers=text_config.num_hidden_layers,
             kv_heads=kv_heads,
