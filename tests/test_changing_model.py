@@ -432,6 +432,9 @@ def test_a_caches_config_records_the_settings_its_memory_was_made_with():
     unchanged.compress(alone, PROMPT.flip(1))
     assert_same(snapshot(cache), snapshot(alone))
     assert replace(cache.config, ema_alpha=0.2).ema_alpha == 0.2  # a config made from it is one of its own
+    model.config = cache.config  # the model takes the cache's settings, and may change them again
+    model.config.ema_alpha = 0.7
+    assert (model.config.ema_alpha, cache.config.ema_alpha) == (0.7, 0.5)
 
 
 RULE_CHANGES: dict[str, tuple[bool, Callable[[CCMConfig], Any]]] = {

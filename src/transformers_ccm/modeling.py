@@ -250,6 +250,9 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"The model's config cannot change the fields its LoRA layers and <COMP> embeddings were built with "
                 f"({details}). Build a new model with CCMForCausalLM.from_base(base_model, config)."
             )
+        if config.__dict__.get("_recorded", False):
+            # A cache's record (`model.config = cache.config`) stays the cache's, unchanged; the model's may change.
+            config = replace(config)
         config._hold_built_fields()
         self._config = config
 
