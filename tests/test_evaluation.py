@@ -1,15 +1,18 @@
 """Evaluation statistics (intervals, gain recovered, seen and unseen wordings) on real scoring of tiny models."""
 
 import copy
+import io
 import json
 import math
-import os
 import random
 import re
+import runpy
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from statistics import NormalDist
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -215,9 +218,18 @@ def test_bootstrap_intervals_match_a_numpy_reference(rows, share):
 
 
 def _pooled_pair(*arguments: str) -> subprocess.CompletedProcess:
-    script = Path(__file__).parents[1] / "docs" / "results" / "scripts" / "pooled_pair.py"
-    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, env=environment)
+    """The script run as `python pooled_pair.py ARGUMENTS` would run it, in this process (a new one spent seconds
+    importing torch): its exit status, output and error output."""
+    script = str(Path(__file__).parents[1] / "docs" / "results" / "scripts" / "pooled_pair.py")
+    output, error = io.StringIO(), io.StringIO()
+    status = 0
+    with patch.object(sys, "argv", [script, *arguments]), redirect_stdout(output), redirect_stderr(error):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:  # sys.exit(message) writes the message and ends with status 1, as Python does
+            status = 1 if isinstance(stop.code, str) else int(stop.code or 0)
+            print(stop.code if isinstance(stop.code, str) else "", file=sys.stderr, end="")
+    return subprocess.CompletedProcess([script, *arguments], status, output.getvalue(), error.getvalue())
 
 
 def test_pooled_pair_pairs_each_sample_set_whatever_the_order_of_its_rows(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from transformers_ccm import CCMForCausalLM, StreamingConfig
+from transformers_ccm import CCMConfig, CCMForCausalLM, StreamingConfig
 from transformers_ccm.baseline import is_full_context_baseline
 from transformers_ccm.chat import ChatSession
 from transformers_ccm.embedded import EMBEDDED_MODEL_ID, load_tokenizer
@@ -39,13 +39,13 @@ def test_unknown_short_name():
         resolve_adapter("ccm:gpt9")
 
 
-def test_default_model_is_recorded_by_its_hub_id():
-    model = CCMForCausalLM.from_base("default")
+def test_default_model_is_recorded_by_its_hub_id_and_the_concat_adapter_holds_a_conversation_in_memory():
+    """One load of the embedded model (seconds of GGUF reading) for both: `from_base("default")`, then the shipped
+    adapter loaded into it (`from_pretrained("ccm:...")` is the stream adapter's test below)."""
+    model = CCMForCausalLM.from_base("default", CCMConfig(num_comp_tokens=1))
     assert model.config.base_model_name_or_path == EMBEDDED_MODEL_ID == model.base_model.name_or_path
-
-
-def test_concat_adapter_holds_a_conversation_in_memory():
-    model = CCMForCausalLM.from_pretrained("ccm:smollm2-concat").eval()
+    model.load_adapter("ccm:smollm2-concat")
+    model.eval()
     session = ChatSession(model, load_tokenizer("default"), max_new_tokens=12)
     first = session.turn("Hi! My name is Maria.")
     second = session.turn("Do you remember my name?")
