@@ -140,6 +140,22 @@ def test_two_runs_from_one_seed_train_a_mixture_of_experts_the_same_adapter_bit_
     assert [name for name, tensor in first.items() if not torch.equal(tensor, second[name])] == []
 
 
+def test_an_operation_without_a_deterministic_algorithm_still_runs_while_a_run_lasts(tmp_path):
+    """The run's deterministic mode is the process's: strict, it made `Tensor.put_` (no deterministic algorithm on a
+    CPU) fail in any code running meanwhile, here a hook after each optimizer step. It warns instead, and the mode is
+    off again afterwards."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    recipe = TrainingRecipe(steps=1, batch_size=2, save_every=1)
+    written = torch.zeros(3)
+    handle = register_optimizer_step_post_hook(lambda *_: written.put_(torch.tensor([1]), torch.tensor([2.0])))
+    try:
+        with pytest.warns(UserWarning, match="put_ does not have a deterministic implementation"):
+            train(model, None, [recall_sample(random.Random(0))] * 2, None, tmp_path, recipe)
+    finally:
+        handle.remove()
+    assert written.tolist() == [0.0, 2.0, 0.0] and not torch.are_deterministic_algorithms_enabled()
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_train_gives_back_the_callers_deterministic_algorithms_setting(tmp_path, fails):
     """The run turns torch's deterministic algorithms on for itself; a caller who had them on in warn-only mode has

@@ -383,8 +383,8 @@ def train(
     `stop_at_step` ends this run after that step of the `recipe.steps` schedule (learning rate included), with a
     checkpoint and the adapter of that step saved; `resume=True` later goes on with the rest of the schedule. The run
     draws its randomness from `recipe.seed`; the global generators (Python's, numpy's, torch's) are the caller's again
-    when it returns or fails. On a CPU the run uses torch's deterministic algorithms, so that one seed trains one
-    adapter bit for bit; the caller's setting (`torch.use_deterministic_algorithms`) comes back afterwards.
+    when it returns or fails. On a CPU the run uses torch's deterministic algorithms (warn-only), so that one seed
+    trains one adapter bit for bit, unless the caller set `torch.use_deterministic_algorithms` already.
     """
     _refuse_sharded_launch()
     _refuse_disabled_gradients()
@@ -565,18 +565,18 @@ def _deterministic_for_the_run(device: torch.device) -> Iterator[None]:
     """Within the context, on a CPU, torch runs its deterministic algorithms; the caller's setting comes back when it
     ends, also on an error. A gradient gathered from repeated indices (a mixture-of-experts layer sending each token
     to 3 or more experts, as Qwen2-MoE and gpt-oss do) was summed by racing threads once a batch passed about 32k
-    elements, so two runs from one seed trained two adapters. On a GPU, where torch's deterministic mode refuses
-    operations that have no such algorithm (matrix products, without CUBLAS_WORKSPACE_CONFIG), it is left as it is."""
-    if device.type != "cpu":
+    elements, so two runs from one seed trained two adapters. Warn-only: the setting is the process's, and an
+    operation without a deterministic algorithm (`Tensor.put_`, in code another thread runs meanwhile, say) warns
+    instead of failing. A caller's own setting is left as it is, and so is a GPU's, where torch's deterministic mode
+    refuses matrix products without CUBLAS_WORKSPACE_CONFIG."""
+    if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
         yield
         return
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.use_deterministic_algorithms(False)
 
 
 @contextmanager
