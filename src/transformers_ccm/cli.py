@@ -891,6 +891,8 @@ def cmd_stream_eval(args: argparse.Namespace) -> None:
         read = functools.partial(_string_prefix, long_text("test"))
     else:
         read = functools.partial(_file_prefix, args.text_file)
+    # Kept for `_leading_ids`, whose first read it is: the whole file, without --tokens, was read and decoded twice.
+    read = functools.lru_cache(maxsize=1)(read)
     read(None if args.tokens is None else _first_prefix(args.tokens))  # not UTF-8: refused before the model loads
     ccm = _streaming_config(args)
     # The sizes against the adapter's own settings before its model loads; the model's positions once it has. The

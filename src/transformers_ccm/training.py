@@ -399,7 +399,8 @@ def train(
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
     check_training_setup(recipe, model.config.conditional_lora, teacher=teacher is not None)
-    stream_length = None
+    stream_length: int | None = None
+    streams: StreamCollator | None = None
     if recipe.streaming is not None:
         # The sizes against this model's adapter and positions (and rotary embeddings): they failed at the first step.
         model.new_cache(streaming=recipe.streaming)
@@ -443,8 +444,8 @@ def train(
         dataloader_num_workers=0,
     )
     collator = (
-        StreamCollator(recipe.streaming, model.vocabulary_size)
-        if recipe.streaming is not None
+        streams
+        if streams is not None
         else CCMDataCollator(
             model,
             tokenizer=tokenizer,
