@@ -12,6 +12,12 @@ settings.register_profile("untimed", deadline=None)
 settings.load_profile("untimed")
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer, one per test module."""
+    return load_tokenizer("default")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A folder holding a tiny random Llama with the embedded model's tokenizer, as `--model` takes it."""

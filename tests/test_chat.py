@@ -25,11 +25,6 @@ from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import kv_bytes_per_token
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("default")
-
-
 def test_chatml_turns_are_read_from_the_template(tokenizer):
     assert TurnFormat.of(tokenizer) == TurnFormat(
         "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\n"

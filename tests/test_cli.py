@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from test_files import file_size_limit
 from tiny_models import tiny_ccm, tiny_full_context_baseline
@@ -515,26 +514,18 @@ PIECES_OF_TEXT = ["the ", "café ", "\r\n", "  ", "1234567", "日本語", "🙂"
 PIECES_OF_TEXT += ["<|im_end|>"]  # a special token's text, which the file's tokens hold as that token
 
 
-@functools.cache
-def embedded_tokenizer() -> PreTrainedTokenizerBase:
-    from transformers_ccm.embedded import load_tokenizer
-
-    return load_tokenizer("default")
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     pieces=st.lists(st.sampled_from(PIECES_OF_TEXT), max_size=600),
     tokens=st.one_of(st.none(), st.integers(2, 700)),
     mark=st.booleans(),
 )
-def test_a_stream_of_a_files_first_tokens_is_those_of_the_whole_file(pieces, tokens, mark):
+def test_a_stream_of_a_files_first_tokens_is_those_of_the_whole_file(tokenizer, pieces, tokens, mark):
     """`ccm stream-eval --tokens N` tokenized the whole file before keeping its first N tokens: a corpus of gigabytes
     for a stream of thousands. It reads prefixes now, as long as those tokens need, and they are the same tokens,
     characters of several bytes and a byte-order mark cut or not."""
     from transformers_ccm.cli import _file_prefix, _leading_ids, _string_prefix
 
-    tokenizer = embedded_tokenizer()
     text = "".join(pieces)
     expected = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     with tempfile.TemporaryDirectory() as folder:
@@ -544,12 +535,11 @@ def test_a_stream_of_a_files_first_tokens_is_those_of_the_whole_file(pieces, tok
     assert _leading_ids(tokenizer, functools.partial(_string_prefix, text), tokens) == expected
 
 
-def test_a_stream_of_a_files_first_tokens_reads_no_further_than_they_need(tmp_path):
+def test_a_stream_of_a_files_first_tokens_reads_no_further_than_they_need(tokenizer, tmp_path):
     """Bytes that are not UTF-8 a hundred kilobytes past the first 300 tokens: a stream of those tokens never reads
     them."""
     from transformers_ccm.cli import _file_prefix, _leading_ids
 
-    tokenizer = embedded_tokenizer()
     text = "The keeper counted ships at night, and wrote each one down. " * 2_000
     (tmp_path / "corpus.txt").write_bytes(text.encode() + bytes(range(128, 256)))
     read = functools.partial(_file_prefix, str(tmp_path / "corpus.txt"))

@@ -33,16 +33,10 @@ from tiny_models import (
 )
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 from transformers_ccm.chat import ChatSession
-from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.streaming import StreamingConfig
 from transformers_ccm.wrapping import frequency_setting_rotaries, one_at_a_time
 
 Result = list[object]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("default")
 
 
 def tiny_llama_model(tokenizer, update: str = "merge") -> CCMForCausalLM:

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from tiny_models import randomize_adapter, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.cli import _samples_digest
-from transformers_ccm.embedded import load_tokenizer
 from transformers_ccm.evaluation import (
     BOOTSTRAP_RESAMPLES,
     FINETUNED,
@@ -46,11 +45,6 @@ from transformers_ccm.evaluation import (
     wilson_interval,
 )
 from transformers_ccm.tasks import METRIC, make_samples
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("default")
 
 
 def _model(tokenizer, seed: int, **config) -> CCMForCausalLM:

@@ -11,12 +11,6 @@ from transformers import TextIteratorStreamer, pipeline
 
 from tiny_models import InjectedFailure, fail_in_layer, randomize_adapter, tiny_base, tiny_ccm, tiny_llama_for
 from transformers_ccm import CCMConfig, CCMForCausalLM
-from transformers_ccm.embedded import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("default")
 
 
 def test_a_text_generation_pipeline_generates_as_the_model_does(tokenizer):
