@@ -223,6 +223,24 @@ def test_hub_card_names_hub_base_model(tmp_path):
     assert "base_model: acme/tiny-llama" in (tmp_path / "adapter" / "README.md").read_text()
 
 
+@pytest.mark.parametrize(
+    ("setting", "stated"),
+    [
+        ({"update": "ema", "ema_alpha": 0.25}, "updated by **ema** (each new context weighted by ema_alpha = 0.25)."),
+        (
+            {"update": "concat", "max_memory_tokens": 6},
+            "updated by **concat** (at most max_memory_tokens = 6 slots per layer, the oldest dropped first).",
+        ),
+        ({"update": "concat"}, "updated by **concat**."),
+        ({"update": "merge"}, "updated by **merge**."),
+    ],
+)
+def test_the_model_card_states_the_update_rules_setting(tmp_path, setting, stated):
+    """A card said "updated by **ema**" whatever its ema_alpha, and nothing of a concat memory's cap."""
+    CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(**setting)).save_pretrained(tmp_path)
+    assert stated in " ".join((tmp_path / "README.md").read_text().split())
+
+
 @pytest.mark.parametrize("base", ["acme/tiny-llama", None, "folder"])
 def test_the_model_card_links_and_loads_the_base_model_as_it_can(tmp_path, base):
     """The card linked https://huggingface.co/unknown for an adapter that names no base, and huggingface.co/<path>

@@ -6,7 +6,8 @@ offline; any other name or path goes to transformers' `from_pretrained` as usual
 Reading the GGUF file takes transformers some 20 s (its metadata is parsed field by field, twice), so the first load
 converts it once into transformers' own format (safetensors, a tokenizer.json), kept under `TRANSFORMERS_CCM_CACHE`
 (default: `$HF_HOME/transformers_ccm`), which later loads read in about a second. Each converted folder holds a
-manifest of its files' SHA-256 digests, checked at every load: a damaged or altered copy is converted again.
+manifest of its files' SHA-256 digests, checked at every load: a damaged or altered copy is converted again. Where
+the setting is empty, or the folder cannot be written, every load reads the GGUF file.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,8 +108,11 @@ def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) 
             )
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
-    with _converted(folder, "tokenizer" if auto_class is AutoTokenizer else "model") as converted:
-        return auto_class.from_pretrained(converted, **kwargs)
+    converted = _kept_copy(folder, "tokenizer" if auto_class is AutoTokenizer else "model")
+    if converted is None:
+        require("gguf", "Reading the embedded model")
+        return auto_class.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
+    return auto_class.from_pretrained(converted, **kwargs)
 
 
 def load_base_model(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
@@ -135,29 +136,16 @@ def load_tokenizer(name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTr
 
 def converted_cache_root() -> Path | None:
     """The folder that keeps the embedded model converted from its GGUF file: `TRANSFORMERS_CCM_CACHE`, or
-    `$HF_HOME/transformers_ccm` where it is not set; None where it is set empty (converted again at every load)."""
+    `$HF_HOME/transformers_ccm` where it is not set; None where it is set empty (every load reads the GGUF file)."""
     value = os.environ.get(CACHE_ENV)
     if value is None:
         return Path(constants.HF_HOME) / "transformers_ccm"
     return Path(value) if value else None
 
 
-@contextmanager
-def _converted(folder: Path, part: Part) -> Iterator[Path]:
-    """A folder holding the embedded model's `part` in transformers' own format: the kept copy, made at its first
-    use, or a temporary one where none can be kept."""
-    kept = _kept_copy(folder, part)
-    if kept is not None:
-        yield kept
-        return
-    with tempfile.TemporaryDirectory(prefix="ccm-embedded-", ignore_cleanup_errors=True) as temporary:
-        _convert(folder, part, Path(temporary))
-        yield Path(temporary)
-
-
 def _kept_copy(folder: Path, part: Part) -> Path | None:
     """The converted copy of `part` under the cache root, checked against its manifest and made (again) where it is
-    missing or damaged; None where there is no root, or nothing can be written there."""
+    missing or damaged; None where there is no root, or nothing can be written there (the GGUF file is read then)."""
     root = converted_cache_root()
     if root is None:
         return None
@@ -176,8 +164,8 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
         new_folder(path, functools.partial(_convert, folder, part))
     except OSError as error:
         logger.warning(
-            "Cannot keep the converted embedded model in %s (%s), so every load converts the GGUF file again (some "
-            "20 s); set %s to a writable folder, or to an empty value to convert without trying.",
+            "Cannot keep the converted embedded model in %s (%s), so every load reads the GGUF file (some 20 s); set "
+            "%s to a writable folder, or to an empty value not to try.",
             root,
             error,
             CACHE_ENV,
@@ -193,7 +181,7 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
 def _convert(folder: Path, part: Part, into: Path) -> None:
     """Write the embedded model's `part`, read from its GGUF file, into the folder `into` in transformers' format, and
     the manifest of what was written last."""
-    require("gguf", "Reading the embedded model")
+    require("gguf", "Converting the embedded model")
     if part == "tokenizer":
         AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE).save_pretrained(into)
     else:

@@ -69,7 +69,7 @@ _CARD_TEMPLATE = """---
 A [Compressed Context Memory](https://arxiv.org/abs/2312.03414) adapter for
 {{ base_model }}: a conditional LoRA (rank {{ r }}) and
 {{ num_comp_tokens }} learned `<COMP>` embedding(s) that compress each new context into {{ num_comp_tokens }}
-key/value slot(s) per layer, updated by **{{ update }}**.
+key/value slot(s) per layer, updated by **{{ update }}**{{ update_detail }}.
 
 - Trained on: {{ trained_on }}
 - Base model revision: {{ revision }}
@@ -215,10 +215,20 @@ def _model_card(config: CCMConfig, repo_id: str, tags: tuple[str, ...] = ()) -> 
         r=config.r,
         num_comp_tokens=config.num_comp_tokens,
         update=config.update,
+        update_detail=_update_detail(config),
         trained_on=config.trained_on or "not recorded",
         revision=config.base_model_revision or "not recorded",
         version=__version__,
     )
+
+
+def _update_detail(config: CCMConfig) -> str:
+    """The update rule's own setting, as the model card states it after the rule's name."""
+    if config.update == "ema":
+        return f" (each new context weighted by ema_alpha = {config.ema_alpha})"
+    if config.update == "concat" and config.max_memory_tokens is not None:
+        return f" (at most max_memory_tokens = {config.max_memory_tokens} slots per layer, the oldest dropped first)"
+    return ""
 
 
 def shipped_adapters() -> list[str]:
