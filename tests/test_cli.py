@@ -877,7 +877,12 @@ def test_a_report_written_into_its_own_add_to_folder_survives_a_failed_write(
             replace_files(writes)
 
     monkeypatch.setattr(cli_module, "replace_files", onto_a_full_disk)
-    with refused_by_the_system(capsys, f"could not write the report into {report} ([Errno 27] File too large)"):
+    refusal = (
+        f"could not write the report into {report} ([Errno 27] Cannot save {report / 'eval.json'} (File too large); "
+        "the file is larger than the file system or this process's file size limit (ulimit -f) allows: raise the "
+        "limit or choose another disk, then save again. Nothing there was replaced.)"
+    )
+    with refused_by_the_system(capsys, refusal):
         main([*scoring, str(copy), "--add-to", str(report)])
     assert {path.name: path.read_bytes() for path in report.iterdir()} == before
     monkeypatch.undo()

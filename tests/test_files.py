@@ -8,6 +8,7 @@ import errno
 import importlib
 import itertools
 import os
+import re
 import resource
 import shutil
 import threading
@@ -558,6 +559,13 @@ def test_a_save_onto_a_full_disk_raises_an_os_error_and_keeps_the_earlier_files(
     with pytest.raises(OSError) as error, file_size_limit(int(fraction * size)):
         save()
     assert error.value.errno == errno.EFBIG
+    # The file being saved and the fix, not the hidden staging file (or nothing at all: "[Errno 27] File too large").
+    assert re.fullmatch(
+        rf"\[Errno 27\] Cannot save {re.escape(str(folder))}/\S+ \(File too large\); the file is larger than the file "
+        r"system or this process's file size limit \(ulimit -f\) allows: raise the limit or choose another disk, then "
+        r"save again\. Nothing there was replaced\.",
+        str(error.value),
+    ), error.value
     assert _contents(folder) == before and not list(folder.glob(f"{STAGING_PREFIX}*"))
     if kind == "memory":
         assert CompressedMemoryCache.load(path, new).memory_length == earlier.memory_length

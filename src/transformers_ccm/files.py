@@ -25,6 +25,23 @@ except ImportError:  # Windows: no advisory locks; the adapter's manifest still 
 
 STAGING_PREFIX = ".ccm-saving-"
 
+# What to do where a file operation failed because this process or the machine ran short of something, not because
+# of the file: a memory or an adapter read then was reported damaged, with the fix to delete it or save it again.
+_SHORT_OF = {
+    errno.EMFILE: "this process has too many files open: close some, or raise its limit (ulimit -n)",
+    errno.ENFILE: "the system has too many files open: close some",
+    errno.ENOMEM: "the system is out of memory: free some",
+}
+# What to do where a write failed for want of room or rights.
+_CANNOT_WRITE = {
+    errno.ENOSPC: "make room on its disk",
+    errno.EFBIG: "the file is larger than the file system or this process's file size limit (ulimit -f) allows: "
+    "raise the limit or choose another disk",
+    errno.EROFS: "the file system is read-only: choose a writable folder",
+    errno.EACCES: "choose a writable folder",
+    errno.EPERM: "choose a writable folder",
+}
+
 
 def checked_path(path: object, name: str, example: str) -> str:
     """`path` as a string, refused unless it is a non-empty str or `os.PathLike`: an empty one named the current
@@ -36,6 +53,24 @@ def checked_path(path: object, name: str, example: str) -> str:
     if not text:
         raise ValueError(f"{name} is empty; give a path such as {example!r} ('.' for the current folder).")
     return text
+
+
+def short_of(error: OSError) -> str | None:
+    """What to do where `error` says that this process or the machine ran short (of descriptors, of memory), which
+    is no fault of the file it was about; None for any other error."""
+    return _SHORT_OF.get(error.errno) if isinstance(error.errno, int) else None
+
+
+def _write_error(error: OSError, target: str | os.PathLike[str]) -> OSError:
+    """`error`, of a write into the staging folder, as an OSError of its errno that names `target` (the file or
+    folder being saved, not the hidden staging path) and what to do: a full disk raised "[Errno 27] File too large"
+    and nothing more."""
+    fix = short_of(error) or _CANNOT_WRITE.get(error.errno, "fix the cause")
+    message = (
+        f"Cannot save {os.fspath(target)} ({error.strerror or error}); {fix}, then save again. Nothing there was "
+        "replaced."
+    )
+    return OSError(error.errno, message) if isinstance(error.errno, int) else OSError(message)
 
 
 def replace_file(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
@@ -63,16 +98,20 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
         if locked and len(paths) > 1:
             _remove_stale_staging(folder)
         with _staging(folder, [path.name for path in paths]) as staging:
-            (staging / "new").mkdir()
-            new_file_mode = _new_file_mode(staging / "new")
-            for path, write in paths.items():
-                new = staging / "new" / path.name
-                write(os.fspath(new))
-                # Writers that stage a file of their own (safetensors) leave it readable by its owner alone. File
-                # systems without Unix permissions (FAT, some network ones) refuse to set them: the file stays as is.
-                with suppress(PermissionError):
-                    os.chmod(new, _mode(path, new_file_mode))
-                _fsync_file(new)
+            path = folder
+            try:
+                (staging / "new").mkdir()
+                new_file_mode = _new_file_mode(staging / "new")
+                for path, write in paths.items():
+                    new = staging / "new" / path.name
+                    write(os.fspath(new))
+                    # Writers that stage a file of their own (safetensors) leave it readable by its owner alone. File
+                    # systems without Unix permissions (FAT, some network ones) refuse to set them: it stays as is.
+                    with suppress(PermissionError):
+                        os.chmod(new, _mode(path, new_file_mode))
+                    _fsync_file(new)
+            except OSError as error:
+                raise _write_error(error, path) from error
             _swap(list(reversed(paths)), staging)
             _fsync_folder(folder)
 
