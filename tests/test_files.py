@@ -12,6 +12,7 @@ import re
 import resource
 import shutil
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from unittest.mock import patch
@@ -569,6 +570,86 @@ def test_a_save_onto_a_full_disk_raises_an_os_error_and_keeps_the_earlier_files(
     assert _contents(folder) == before and not list(folder.glob(f"{STAGING_PREFIX}*"))
     if kind == "memory":
         assert CompressedMemoryCache.load(path, new).memory_length == earlier.memory_length
+
+
+@contextmanager
+def open_files_limit(free: int) -> Iterator[None]:
+    """Within the context, this process can open `free` more files and no more (`ulimit -n` reached, as by a server
+    holding many connections): the next open fails with EMFILE. The limit bounds descriptor numbers, so the free numbers
+    below it are taken first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(name) for name in os.listdir("/dev/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + free, hard))
+    taken = []
+    try:
+        with suppress(OSError):
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        for descriptor in taken[len(taken) - free :]:
+            os.close(descriptor)
+        del taken[len(taken) - free :]
+        yield
+    finally:
+        for descriptor in taken:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("kind", ["memory", "adapter"])
+def test_a_save_at_the_limit_of_open_files_is_whole_or_named_and_leaves_no_staging_folder(tmp_path, adapters, kind):
+    """The staging folder was removed by listing it, which takes descriptors of its own: with the few that the save's
+    writes still found, a save reported done (or failed) left it behind, an adapter's earlier files in it. A failed
+    save named the hidden staging file, or nothing ("[Errno 24] Too many open files"), and no fix."""
+    from transformers_ccm import CompressedMemoryCache
+
+    old, new, _ = adapters
+    if kind == "memory":
+        path = tmp_path / "user.safetensors"
+        earlier, later = _memory(new, [5, 6]), _memory(new, [7, 8, 9])
+
+        def start() -> None:
+            earlier.save(path)
+
+        def save() -> None:
+            later.save(path)
+
+        def saved() -> str:
+            loaded = CompressedMemoryCache.load(path, new)
+            return "new" if torch.equal(loaded.layers[0].keys, later.layers[0].keys) else "old"
+    else:
+        path = tmp_path
+
+        def start() -> None:
+            old.save_pretrained(tmp_path)
+
+        def save() -> None:
+            new.save_pretrained(tmp_path)
+
+        def saved() -> str:
+            return _which(CCMForCausalLM.from_pretrained(tmp_path, base_model=tiny_base("llama")), adapters)
+
+    outcomes = set()
+    for free in range(6):
+        start()
+        before = _contents(tmp_path)
+        try:
+            with open_files_limit(free):
+                save()
+        except OSError as error:
+            outcomes.add("refused")
+            assert error.errno == errno.EMFILE
+            assert re.fullmatch(
+                rf"\[Errno 24\] Cannot save {re.escape(str(path))}\S* \(Too many open files\); this process has too "
+                r"many files open: close some, or raise its limit \(ulimit -n\), then save again\. Nothing there was "
+                r"replaced\.",
+                str(error),
+            ), error
+            assert _contents(tmp_path) == before and saved() == "old"
+        else:
+            outcomes.add("saved")
+            assert saved() == "new"
+        assert not [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(STAGING_PREFIX)]
+    assert outcomes == {"refused", "saved"}
 
 
 # Not os.close: shutil.rmtree itself closes a folder twice when interrupted right after closing it.

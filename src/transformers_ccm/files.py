@@ -225,25 +225,43 @@ def _staging(folder: Path, names: list[str]) -> Iterator[Path]:
     finally:
         try:
             if not kept:
-                _remove_to_the_end(staging)
+                _remove_to_the_end(staging, names)
         finally:
             if descriptor is not None:
                 os.close(descriptor)
 
 
-def _remove_to_the_end(staging: Path) -> None:
-    """Remove the staging folder `staging` whole, also where an interrupt arrives meanwhile (Ctrl-C, or a signal
-    handler's exit), which is raised once it is gone: one that landed in the removal (a save spends most of its time
-    flushing to disk, so an interrupt often lands near it) left the folder behind, beside the files saved."""
+def _remove_to_the_end(staging: Path, names: list[str]) -> None:
+    """Remove the staging folder `staging` of the save of the files `names` whole, also where an interrupt arrives
+    meanwhile (Ctrl-C, or a signal handler's exit), which is raised once it is gone: one that landed in the removal (a
+    save spends most of its time flushing to disk, so an interrupt often lands near it) left the folder behind, beside
+    the files saved."""
     interrupt = None
     while True:
         try:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_staging(staging, names)
             break
         except (KeyboardInterrupt, SystemExit) as error:
             interrupt = error
     if interrupt is not None:
         raise interrupt
+
+
+def _remove_staging(staging: Path, names: list[str]) -> None:
+    """Remove the staging folder `staging` of the save of the files `names`: the files it holds by their names first,
+    which takes no file descriptor, then whatever else a writer left there. `shutil.rmtree` alone opens the folders to
+    list them: where the process had no descriptor left (at its limit of open files, where the save's own writes still
+    found one), it failed without a word and left the folder, with the earlier files of a set, beside the save."""
+    for part in ("new", "old"):
+        for name in names:
+            with suppress(OSError):
+                os.remove(staging / part / name)
+        with suppress(OSError):
+            os.rmdir(staging / part)
+    with suppress(OSError):
+        os.rmdir(staging)
+    if os.path.lexists(staging):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:
@@ -352,8 +370,14 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def _remove_stale_staging(folder: Path) -> None:
-    """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked)."""
-    for staging in folder.glob(f"{STAGING_PREFIX}*"):
+    """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked). A folder
+    that cannot be listed now (no file descriptor left) keeps them for a later save: this one goes on, and its own
+    writes say what failed, if anything."""
+    try:
+        found = list(folder.glob(f"{STAGING_PREFIX}*"))
+    except OSError:
+        return
+    for staging in found:
         _remove_if_stale(staging)
 
 
