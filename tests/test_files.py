@@ -652,6 +652,54 @@ def test_a_save_at_the_limit_of_open_files_is_whole_or_named_and_leaves_no_stagi
     assert outcomes == {"refused", "saved"}
 
 
+@pytest.mark.parametrize("kind", ["memory", "adapter"])
+def test_a_load_at_the_limit_of_open_files_is_no_damaged_file(tmp_path, adapters, kind):
+    """A good file that the process could not open for want of a descriptor was reported damaged: "not a readable
+    safetensors memory file", or, for an adapter, "save the adapter again, or delete .../ccm_manifest.json". A load
+    refused so leaves the model as it was."""
+    from transformers_ccm import CompressedMemoryCache
+
+    old, new, target = adapters
+    if kind == "memory":
+        path = tmp_path / "user.safetensors"
+        _memory(new, [5, 6]).save(path)
+        expected = _memory(new, [5, 6]).layers[0].keys
+
+        def load() -> str:
+            return "new" if torch.equal(CompressedMemoryCache.load(path, new).layers[0].keys, expected) else "a mix"
+    else:
+        path = tmp_path / "new" / "ccm_manifest.json"  # the first file an adapter's load opens
+        for name, model in (("old", old), ("new", new), ("target", target)):
+            model.save_pretrained(tmp_path / name)
+
+        def load() -> str:
+            target.load_adapter(tmp_path / "new")
+            return _which(target, adapters)
+
+    outcomes = set()
+    try:
+        for free in range(3):
+            if kind == "adapter":
+                target.load_adapter(tmp_path / "old")
+            try:
+                with open_files_limit(free):
+                    got = load()
+            except OSError as error:
+                outcomes.add("refused")
+                assert str(error) == (
+                    f"[Errno 24] Cannot read {path} (Too many open files); this process has too many files open: "
+                    "close some, or raise its limit (ulimit -n), then read it again: the file was not judged."
+                )
+                assert kind == "memory" or _which(target, adapters) == "old"
+            else:
+                outcomes.add("loaded")
+                assert got == "new"
+    finally:
+        if kind == "adapter":
+            target.load_adapter(tmp_path / "target")
+    assert outcomes == {"refused", "loaded"}
+
+
 # Not os.close: shutil.rmtree itself closes a folder twice when interrupted right after closing it.
 _MEMORY_SAVE_CALLS = ["mkdir", "open", "fsync", "replace", "unlink", "rmdir"]
 

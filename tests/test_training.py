@@ -1,6 +1,7 @@
 """A few hundred optimisation steps on a tiny model learn to answer from compressed contexts."""
 
 import copy
+import errno
 import itertools
 import json
 import random
@@ -20,6 +21,7 @@ from transformers import TrainingArguments
 
 from crafted_files import pipe_feeding
 from fault_injection import FAILURES, FailAt, count_operations
+from test_files import open_files_limit
 from tiny_models import (
     VOCAB,
     InjectedFailure,
@@ -650,6 +652,41 @@ def test_resume_refuses_a_damaged_checkpoint_before_loading_it(tmp_path_factory,
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     shutil.rmtree(run / "checkpoint-2")  # the fix the message names: resume from the checkpoint before it
     assert train(model, None, samples, None, run, recipe, resume=True).state.global_step == 3
+
+
+def test_resume_at_the_limit_of_open_files_is_refused_without_telling_to_delete_the_checkpoint(two_checkpoints):
+    """A whole checkpoint that the process could not open for want of a descriptor "holds a damaged adapter", and the
+    fix was to delete it: the run's last good checkpoint lost."""
+    folder, _ = two_checkpoints
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=1)
+    refusals = []
+    for free in range(3):
+        try:
+            with open_files_limit(free):
+                check_resume(folder, CCMConfig(lora_dropout=0.0), recipe)
+        except OSError as error:
+            assert error.errno == errno.EMFILE and "delete" not in str(error)
+            refusals.append(str(error))
+    assert (
+        f"[Errno 24] Cannot read {folder / 'checkpoint-2' / 'ccm_manifest.json'} (Too many open files); this process "
+        "has too many files open: close some, or raise its limit (ulimit -n), then read it again: the file was not "
+        "judged." in refusals
+    )
+    check_resume(folder, CCMConfig(lora_dropout=0.0), recipe)
+
+
+def test_a_checkpoint_not_written_for_want_of_file_descriptors_says_so_not_that_the_disk_is_full(tmp_path):
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    samples = [recall_sample(random.Random(seed)) for seed in range(2)]
+    with pytest.raises(OSError) as refused, open_files_limit(2):
+        train(model, None, samples, None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2, save_every=1))
+    assert re.fullmatch(
+        rf"could not write the checkpoint {re.escape(str(tmp_path / 'run' / 'checkpoint-1'))} \(\[Errno 24\] Cannot "
+        r"save .*\): this process has too many files open: close some, or raise its limit \(ulimit -n\), then resume "
+        r"\(ccm train --resume, resume=True\) from the last checkpoint saved whole\.",
+        str(refused.value),
+    ), refused.value
+    assert list((tmp_path / "run").iterdir()) == []  # no checkpoint-1 cut short
 
 
 class _Crafted:

@@ -61,6 +61,18 @@ def short_of(error: OSError) -> str | None:
     return _SHORT_OF.get(error.errno) if isinstance(error.errno, int) else None
 
 
+def raise_if_short_of(error: OSError, path: str | os.PathLike[str]) -> None:
+    """Raise, as an OSError that names `path` and what to do, an `error` of reading it that says the process or the
+    machine ran short (`short_of`): a reader that takes any other OSError for a damaged file would tell to delete a
+    good one, or to save it again."""
+    fix = short_of(error)
+    if fix is not None:
+        raise OSError(
+            error.errno,
+            f"Cannot read {os.fspath(path)} ({error.strerror}); {fix}, then read it again: the file was not judged.",
+        ) from error
+
+
 def _write_error(error: OSError, target: str | os.PathLike[str]) -> OSError:
     """`error`, of a write into the staging folder, as an OSError of its errno that names `target` (the file or
     folder being saved, not the hidden staging path) and what to do: a full disk raised "[Errno 27] File too large"

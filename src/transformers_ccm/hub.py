@@ -33,7 +33,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
-from transformers_ccm.files import checked_path, folder_lock, made_folder, replace_files
+from transformers_ccm.files import checked_path, folder_lock, made_folder, raise_if_short_of, replace_files
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.safetensors_header import safetensors_header, write_errors_as_os_errors
 from transformers_ccm.validation import is_int
@@ -345,7 +345,12 @@ def read_adapter(folder: Path) -> tuple[CCMConfig, dict[str, torch.Tensor]]:
 def _read_weights(path: Path) -> bytes:
     """The bytes of the adapter weights file at `path`, read once its header names a CCM adapter's tensors: a file of
     other weights (a base model's, gigabytes) was read whole before it was refused."""
-    with path.open("rb") as file:
+    try:
+        opened = path.open("rb")
+    except OSError as error:
+        raise_if_short_of(error, path)
+        raise
+    with opened as file:
         _, declared, _ = safetensors_header(
             file, f"{path.parent} has a corrupt adapter file ({path.name})", "save or download the adapter again."
         )

@@ -7,6 +7,8 @@ import os
 import stat
 from typing import Any
 
+from transformers_ccm.files import raise_if_short_of
+
 
 def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file at `path` (or the one a link leads to). Anything else raises a `ValueError`
@@ -17,6 +19,7 @@ def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | N
         # opened, not of its name, which could be replaced in between.
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
+        raise_if_short_of(error, path)
         raise ValueError(f"{os.fspath(path)} cannot be read ({error.strerror or error}); {fix}") from None
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
@@ -25,6 +28,7 @@ def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | N
         try:
             content = file.read() if max_bytes is None else file.read(max_bytes + 1)
         except OSError as error:  # a file of /proc that refuses reads, a disk that fails
+            raise_if_short_of(error, path)
             raise ValueError(f"{os.fspath(path)} cannot be read ({error.strerror or error}); {fix}") from None
     if max_bytes is not None and len(content) > max_bytes:
         raise ValueError(f"{os.fspath(path)} is larger than {max_bytes} bytes, more than any such file holds; {fix}")

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from transformers_ccm.files import replace_file
+from transformers_ccm.files import raise_if_short_of, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header, write_errors_as_os_errors
 from transformers_ccm.streaming import CapAboveAdapterError, StreamingConfig
@@ -86,6 +86,8 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
     except FileNotFoundError:
         raise FileNotFoundError(f"No memory file at {path}.") from None
     except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
+        if isinstance(error, OSError):
+            raise_if_short_of(error, path)
         raise ValueError(f"{path} is not a readable safetensors memory file ({error}).") from None
     content.read(tensors)
     return content

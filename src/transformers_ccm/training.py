@@ -40,7 +40,7 @@ from transformers_ccm.data import (
     predicting_positions,
 )
 from transformers_ccm.distillation import distillation_loss
-from transformers_ccm.files import replace_file
+from transformers_ccm.files import raise_if_short_of, replace_file, short_of
 from transformers_ccm.hub import VERIFIED_FILES, read_adapter
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
@@ -166,10 +166,11 @@ class CCMTrainer(Trainer):
                 if isinstance(error, RuntimeError) and not written_by_torch:
                     raise
                 step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                # Out of file descriptors, not of room: making room on the disk would not help.
+                fix = (short_of(error) if isinstance(error, OSError) else None) or "is the disk full? Make room"
                 raise OSError(
-                    f"could not write the checkpoint {os.path.join(self._get_output_dir(trial), step)} ({error}): is "
-                    "the disk full? Make room, then resume (ccm train --resume, resume=True) from the last checkpoint "
-                    "saved whole."
+                    f"could not write the checkpoint {os.path.join(self._get_output_dir(trial), step)} ({error}): "
+                    f"{fix}, then resume (ccm train --resume, resume=True) from the last checkpoint saved whole."
                 ) from error
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
@@ -834,6 +835,8 @@ def check_resume(
     try:  # the adapter the Trainer loads first, whose reader's own fix (save it again) fits no checkpoint
         saved, _ = read_adapter(Path(checkpoint))
     except (ValueError, OSError) as error:
+        if isinstance(error, OSError) and short_of(error) is not None:  # the process's want, not the checkpoint's
+            raise
         raise ValueError(f"{checkpoint} holds a damaged adapter ({error}); {fix}") from None
     settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
     different = [name for name in settings if getattr(saved, name) != getattr(config, name)]
@@ -972,6 +975,8 @@ def _check_pickled_state(path: str, fix: str) -> None:
         with zipfile.ZipFile(path) as archive:
             bad_member = archive.testzip()
     except (zipfile.BadZipFile, OSError) as error:
+        if isinstance(error, OSError):
+            raise_if_short_of(error, path)
         raise ValueError(f"{path} is damaged ({error}); {fix}") from None
     if bad_member is not None:
         raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
