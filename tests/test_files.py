@@ -11,6 +11,8 @@ import os
 import re
 import resource
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
@@ -698,6 +700,54 @@ def test_a_load_at_the_limit_of_open_files_is_no_damaged_file(tmp_path, adapters
         if kind == "adapter":
             target.load_adapter(tmp_path / "target")
     assert outcomes == {"refused", "loaded"}
+
+
+# Run in a process of its own: a limit of the address space would fail whatever else the test runner allocates. The
+# process makes no large tensor before the load, so that no freed memory of its own can take the file's bytes.
+_LOAD_UNDER_A_MEMORY_LIMIT = """
+import os, resource, sys
+from tiny_models import randomize_adapter, tiny_base
+from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
+
+model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8)), seed=1)
+with open("/proc/self/status") as status:
+    used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (used + os.path.getsize(sys.argv[1]) // 4, resource.RLIM_INFINITY))
+try:
+    CompressedMemoryCache.load(sys.argv[1], model)
+except MemoryError as error:
+    print(error)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(CompressedMemoryCache.load(sys.argv[1], model).memory_length)
+"""
+
+
+@pytest.mark.slow  # a new process: its imports take about 7 s
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space used from /proc")
+def test_a_memory_file_too_large_for_the_memory_left_is_named_with_the_fix(tmp_path):
+    """The process's memory limit (`ulimit -v`) hit while a memory file was read raised a bare MemoryError, naming
+    neither the file nor what to do."""
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8)), seed=1)
+    cache = model.new_cache(256)
+    for _ in range(4):
+        model.compress(cache, torch.full((256, 2), 5))
+    path = tmp_path / "user.safetensors"
+    cache.save(path)  # 2 MB
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_UNDER_A_MEMORY_LIMIT, str(path)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"Not enough memory to read the memory file {path}, which is read whole; free some memory (or raise this "
+        "process's limit, ulimit -v), then load it again: the file was not judged.",
+        str(cache.memory_length),
+    ]
 
 
 # Not os.close: shutil.rmtree itself closes a folder twice when interrupted right after closing it.

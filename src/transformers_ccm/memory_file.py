@@ -85,6 +85,11 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
             tensors = load(file.read())  # the bytes the header was read from, not the file again
     except FileNotFoundError:
         raise FileNotFoundError(f"No memory file at {path}.") from None
+    except MemoryError as error:  # raised bare, naming neither the file nor its size
+        raise MemoryError(
+            f"Not enough memory to read the memory file {path}, which is read whole; free some memory (or raise this "
+            "process's limit, ulimit -v), then load it again: the file was not judged."
+        ) from error
     except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
         if isinstance(error, OSError):
             raise_if_short_of(error, path)
