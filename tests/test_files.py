@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
+from functools import partial
 from pathlib import Path
 from unittest.mock import patch
 
@@ -24,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_hub import ADAPTER_FILES
+from test_hub import ADAPTER_FILES, FakeHfApi
 from tiny_models import randomize_adapter, tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM
 from transformers_ccm import hub as hub_module
@@ -700,6 +701,31 @@ def test_a_load_at_the_limit_of_open_files_is_no_damaged_file(tmp_path, adapters
         if kind == "adapter":
             target.load_adapter(tmp_path / "target")
     assert outcomes == {"refused", "loaded"}
+
+
+def test_a_push_to_hub_at_the_limit_of_open_files_or_onto_a_full_disk_leaves_no_staged_adapter(
+    tmp_path, adapters, monkeypatch
+):
+    """The adapter was staged in a TemporaryDirectory, whose removal lists it: at the process's limit of open files it
+    failed, left the folder and the adapter's files in the temporary folder, and raised in place of the save's error."""
+    monkeypatch.setattr(hub_module, "HfApi", FakeHfApi)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    _, new, _ = adapters
+    outcomes = set()
+    for limit in [*(partial(open_files_limit, free) for free in range(5)), partial(file_size_limit, 1000)]:
+        FakeHfApi.calls = []
+        try:
+            with limit():
+                new.push_to_hub("me/tiny-ccm")
+        except OSError as error:
+            outcomes.add("refused")
+            assert error.errno in (errno.EMFILE, errno.EFBIG)
+            assert [call[0] for call in FakeHfApi.calls] == ["create_repo"]
+        else:
+            outcomes.add("pushed")
+            assert set(FakeHfApi.calls[1][3]) == ADAPTER_FILES
+        assert list(tmp_path.iterdir()) == []
+    assert outcomes == {"refused", "pushed"}
 
 
 # Run in a process of its own: a limit of the address space would fail whatever else the test runner allocates. The

@@ -14,7 +14,7 @@ import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -260,20 +260,29 @@ def _remove_to_the_end(staging: Path, names: list[str]) -> None:
 
 
 def _remove_staging(staging: Path, names: list[str]) -> None:
-    """Remove the staging folder `staging` of the save of the files `names`: the files it holds by their names first,
-    which takes no file descriptor, then whatever else a writer left there. `shutil.rmtree` alone opens the folders to
-    list them: where the process had no descriptor left (at its limit of open files, where the save's own writes still
-    found one), it failed without a word and left the folder, with the earlier files of a set, beside the save."""
-    for part in ("new", "old"):
-        for name in names:
-            with suppress(OSError):
-                os.remove(staging / part / name)
+    """Remove the staging folder `staging` of the save of the files `names` (see `remove_folder`)."""
+    remove_folder(staging, [f"{part}/{name}" for part in ("new", "old") for name in names])
+
+
+def remove_folder(folder: str | os.PathLike[str], names: Iterable[str]) -> None:
+    """Remove `folder`, which a save made to hold the files `names` (paths inside it): those files by their names
+    first, and the folders they are in, which takes no file descriptor, then whatever else a writer left there.
+    `shutil.rmtree` alone opens the folders to list them: where the process had no descriptor left (at its limit of
+    open files, where the save's own writes still found one), it failed without a word and left the folder, with the
+    earlier files of a set, beside the save."""
+    folder = Path(folder)
+    inner = set()
+    for name in names:
         with suppress(OSError):
-            os.rmdir(staging / part)
+            os.remove(folder / name)
+        inner.update(parent for parent in Path(name).parents if parent != Path("."))
+    for parent in sorted(inner, key=lambda path: len(path.parts), reverse=True):  # the innermost first
+        with suppress(OSError):
+            os.rmdir(folder / parent)
     with suppress(OSError):
-        os.rmdir(staging)
-    if os.path.lexists(staging):
-        shutil.rmtree(staging, ignore_errors=True)
+        os.rmdir(folder)
+    if os.path.lexists(folder):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _new_staging(folder: Path, names: list[str]) -> tuple[Path, int | None]:

@@ -33,7 +33,14 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from transformers_ccm.config import CONFIG_MAX_BYTES, CONFIG_NAME, CCMConfig
 from transformers_ccm.embedded import check_local_or_hub
-from transformers_ccm.files import checked_path, folder_lock, made_folder, raise_if_short_of, replace_files
+from transformers_ccm.files import (
+    checked_path,
+    folder_lock,
+    made_folder,
+    raise_if_short_of,
+    remove_folder,
+    replace_files,
+)
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.safetensors_header import safetensors_header, write_errors_as_os_errors
 from transformers_ccm.validation import is_int
@@ -651,7 +658,10 @@ def push_adapter(
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     if revision is not None and not revision.startswith("refs/pr/"):  # a pull request's ref is no branch to create
         api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-    with tempfile.TemporaryDirectory() as folder:
+    # Not a TemporaryDirectory: its removal lists the folder, which at the process's limit of open files failed, left
+    # the folder and the adapter's files in the system's temporary folder, and raised in place of the save's error.
+    folder = tempfile.mkdtemp(prefix="ccm-push-")
+    try:
         save_adapter(folder, config, lora_config, tensors, repo_id=repo_id, tags=card_tags)
         return api.upload_folder(
             repo_id=repo_id,
@@ -662,6 +672,8 @@ def push_adapter(
             revision=revision,
             create_pr=create_pr,
         )
+    finally:
+        remove_folder(folder, ADAPTER_FILES)
 
 
 def _tags(tags: object) -> tuple[str, ...]:
