@@ -608,10 +608,12 @@ def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adap
     # The superuser writes into read-only folders; /sys refuses everyone.
     unwritable = locked if not os.access(locked, os.W_OK) else Path("/sys")
     os.mkfifo(tmp_path / "pipe")  # a save renamed a file over it, after the first turn had run
+    (tmp_path / "afile").write_text("the user's")  # "create it first" could not be done
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     for path, message in (
         (unwritable / "user.safetensors", "cannot be written"),
         (tmp_path / "missing" / "user.safetensors", "does not exist; create it first"),
+        (tmp_path / "afile" / "user.safetensors", f"{tmp_path / 'afile'} is a file, not a folder; give a path in a"),
         (tmp_path, "is a folder"),
         (tmp_path / "pipe", "is not a regular file (a device or a pipe)"),
     ):

@@ -96,6 +96,18 @@ def test_saving_to_a_folder_or_into_a_missing_folder_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; create it before saving"):
         cache.save(tmp_path / "missing" / "user.safetensors")
     assert list(tmp_path.iterdir()) == []
+    # A file where the path has a folder: "create it" could not be done, and a load said the file was unreadable.
+    (tmp_path / "afile").write_bytes(b"the user's")
+    for path in (tmp_path / "afile" / "user.safetensors", tmp_path / "afile" / "deeper" / "user.safetensors"):
+        with pytest.raises(NotADirectoryError) as refused:
+            cache.save(path)
+        assert str(refused.value) == (
+            f"{path} is inside {tmp_path / 'afile'}, a file, not a folder; save the memory in a folder."
+        )
+        with pytest.raises(FileNotFoundError, match=rf"^No memory file at {re.escape(str(path))}\.$"):
+            CompressedMemoryCache.load(path, model)
+    assert (tmp_path / "afile").read_bytes() == b"the user's"
+    (tmp_path / "afile").unlink()
     cache.save(tmp_path / "user.safetensors")
     loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
     assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from transformers_ccm.config import CCMConfig
-from transformers_ccm.files import checked_path
+from transformers_ccm.files import checked_path, nearest_existing
 from transformers_ccm.masks import ALWAYS_VISIBLE, SlidingWindow, update_coefficient
 from transformers_ccm.memory_file import (
     MOST_FOLDS,
@@ -1522,6 +1522,9 @@ class CompressedMemoryCache(Cache):
         target = os.path.abspath(checked_path(path, "path", "memory.safetensors"))
         if os.path.isdir(target):
             raise IsADirectoryError(f"{path} is a folder; save the memory to a file such as {path}/memory.safetensors.")
+        existing = nearest_existing(os.path.dirname(target))
+        if not os.path.isdir(existing):  # "create it" cannot be done: no folder can be made inside a file
+            raise NotADirectoryError(f"{path} is inside {existing}, a file, not a folder; save the memory in a folder.")
         if not os.path.isdir(os.path.dirname(target)):
             raise FileNotFoundError(f"The folder of {path} does not exist; create it before saving the memory there.")
         if self.has_unfolded_turn:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 from transformers_ccm.extras import figure
-from transformers_ccm.files import made_folder, replace_files
+from transformers_ccm.files import made_folder, nearest_existing, replace_files
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -1087,6 +1087,9 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"--memory-file {path} is a folder; give a file path such as {path}/user.safetensors.")
     if os.path.exists(path) and not os.path.isfile(path):
         raise ValueError(f"--memory-file {path} is not a regular file (a device or a pipe); give a file path.")
+    existing = nearest_existing(folder)
+    if not os.path.isdir(existing):  # "create it" cannot be done: no folder can be made inside a file
+        raise ValueError(f"--memory-file {path}: {existing} is a file, not a folder; give a path in a folder.")
     if not os.path.isdir(folder):
         raise ValueError(f"--memory-file {path}: the folder {folder} does not exist; create it first.")
     try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
@@ -1100,9 +1103,7 @@ def _check_writable(path: str) -> None:
 def _check_output_dir(path: str) -> None:
     """Raise before any model work unless `--output-dir` is, or can become, a folder that can be written: a file
     there (or above it) failed only when the results were written, after every model had run."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):  # the folder is made later; its nearest existing parent must take it
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)  # the folder is made later; its nearest existing parent must take it
     if not os.path.isdir(existing):
         raise ValueError(f"--output-dir {path}: {existing} is a file, not a folder; choose another --output-dir.")
     try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)

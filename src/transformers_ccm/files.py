@@ -55,6 +55,15 @@ def checked_path(path: object, name: str, example: str) -> str:
     return text
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> str:
+    """The absolute path of `path`, or of the nearest of its parents that exists: where a folder made for `path` would
+    begin. A file there (not a folder) means that none can be made."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def short_of(error: OSError) -> str | None:
     """What to do where `error` says that this process or the machine ran short (of descriptors, of memory), which
     is no fault of the file it was about; None for any other error."""

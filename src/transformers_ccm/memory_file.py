@@ -83,7 +83,7 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
             _check_spans(declared, spans, path)
             file.seek(0)
             tensors = load(file.read())  # the bytes the header was read from, not the file again
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file where the path has a folder
         raise FileNotFoundError(f"No memory file at {path}.") from None
     except MemoryError as error:  # raised bare, naming neither the file nor its size
         raise MemoryError(
