@@ -729,39 +729,54 @@ def test_a_push_to_hub_at_the_limit_of_open_files_or_onto_a_full_disk_leaves_no_
 
 
 # Run in a process of its own: a limit of the address space would fail whatever else the test runner allocates. The
-# process makes no large tensor before the load, so that no freed memory of its own can take the file's bytes.
+# process makes no large tensor before each load, so that no freed memory of its own can take the file's bytes.
 _LOAD_UNDER_A_MEMORY_LIMIT = """
 import os, resource, sys
-from tiny_models import randomize_adapter, tiny_base
+import torch
+from tiny_models import tiny_base
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache
 
-model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8)), seed=1)
-with open("/proc/self/status") as status:
-    used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
-resource.setrlimit(resource.RLIMIT_AS, (used + os.path.getsize(sys.argv[1]) // 4, resource.RLIM_INFINITY))
-try:
-    CompressedMemoryCache.load(sys.argv[1], model)
-except MemoryError as error:
-    print(error)
-resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-print(CompressedMemoryCache.load(sys.argv[1], model).memory_length)
+memory, adapter = sys.argv[1:]
+model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8, r=2048))
+before = {key: value.clone() for key, value in model.adapter_tensors().items()}
+
+
+def under_a_memory_limit(path, load):
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+    # Room for what a load takes besides the file's bytes (a JSON file is read into a buffer of 1 MB).
+    resource.setrlimit(resource.RLIMIT_AS, (used + os.path.getsize(path) // 2, resource.RLIM_INFINITY))
+    try:
+        load()
+    except MemoryError as error:
+        print(error)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+under_a_memory_limit(os.path.join(adapter, "adapter_model.safetensors"), lambda: model.load_adapter(adapter))
+print(all(torch.equal(value, before[key]) for key, value in model.adapter_tensors().items()))
+model.load_adapter(adapter)
+under_a_memory_limit(memory, lambda: CompressedMemoryCache.load(memory, model))
+print(CompressedMemoryCache.load(memory, model).memory_length)
 """
 
 
 @pytest.mark.slow  # a new process: its imports take about 7 s
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space used from /proc")
-def test_a_memory_file_too_large_for_the_memory_left_is_named_with_the_fix(tmp_path):
-    """The process's memory limit (`ulimit -v`) hit while a memory file was read raised a bare MemoryError, naming
-    neither the file nor what to do."""
-    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8)), seed=1)
-    cache = model.new_cache(256)
+def test_a_file_too_large_for_the_memory_left_is_named_with_the_fix_and_changes_nothing(tmp_path):
+    """The process's memory limit (`ulimit -v`) hit while a memory or adapter file was read raised a bare MemoryError,
+    naming neither the file nor what to do."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(num_comp_tokens=8, r=2048))
+    randomize_adapter(model, seed=1).save_pretrained(tmp_path / "adapter")  # 4 MB
+    cache = model.new_cache(1024)
     for _ in range(4):
-        model.compress(cache, torch.full((256, 2), 5))
-    path = tmp_path / "user.safetensors"
-    cache.save(path)  # 2 MB
+        model.compress(cache, torch.full((1024, 2), 5))
+    cache.save(tmp_path / "user.safetensors")  # 8 MB: more than the adapter's load freed
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
+    arguments = [str(tmp_path / "user.safetensors"), str(tmp_path / "adapter")]
     result = subprocess.run(
-        [sys.executable, "-c", _LOAD_UNDER_A_MEMORY_LIMIT, str(path)],
+        [sys.executable, "-c", _LOAD_UNDER_A_MEMORY_LIMIT, *arguments],
         env=environment,
         capture_output=True,
         text=True,
@@ -769,9 +784,12 @@ def test_a_memory_file_too_large_for_the_memory_left_is_named_with_the_fix(tmp_p
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    fix = "which is read whole; free some memory (or raise this process's limit, ulimit -v), then load it again: the "
     assert result.stdout.splitlines() == [
-        f"Not enough memory to read the memory file {path}, which is read whole; free some memory (or raise this "
-        "process's limit, ulimit -v), then load it again: the file was not judged.",
+        f"Not enough memory to read the adapter weights file {tmp_path / 'adapter' / 'adapter_model.safetensors'}, "
+        f"{fix}file was not judged.",
+        "True",
+        f"Not enough memory to read the memory file {tmp_path / 'user.safetensors'}, {fix}file was not judged.",
         str(cache.memory_length),
     ]
 

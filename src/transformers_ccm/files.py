@@ -82,6 +82,15 @@ def raise_if_short_of(error: OSError, path: str | os.PathLike[str]) -> None:
         ) from error
 
 
+def not_enough_memory(what: str, path: str | os.PathLike[str]) -> MemoryError:
+    """The error to raise for a MemoryError while `what` (a memory file) at `path` was read whole: Python raised it
+    bare, naming neither the file nor what to do."""
+    return MemoryError(
+        f"Not enough memory to read {what} {os.fspath(path)}, which is read whole; free some memory (or raise this "
+        "process's limit, ulimit -v), then load it again: the file was not judged."
+    )
+
+
 def _write_error(error: OSError, target: str | os.PathLike[str]) -> OSError:
     """`error`, of a write into the staging folder, as an OSError of its errno that names `target` (the file or
     folder being saved, not the hidden staging path) and what to do: a full disk raised "[Errno 27] File too large"

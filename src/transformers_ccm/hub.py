@@ -37,6 +37,7 @@ from transformers_ccm.files import (
     checked_path,
     folder_lock,
     made_folder,
+    not_enough_memory,
     raise_if_short_of,
     remove_folder,
     replace_files,
@@ -367,7 +368,10 @@ def _read_weights(path: Path) -> bytes:
                 f"{sorted(declared)[:3]}). Give the folder that a CCM model's save_pretrained() wrote."
             )
         file.seek(0)
-        return file.read()
+        try:
+            return file.read()
+        except MemoryError as error:
+            raise not_enough_memory("the adapter weights file", path) from error
 
 
 def _read_tensors(path: Path, content: bytes) -> dict[str, torch.Tensor]:

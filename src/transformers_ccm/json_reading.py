@@ -7,7 +7,7 @@ import os
 import stat
 from typing import Any
 
-from transformers_ccm.files import raise_if_short_of
+from transformers_ccm.files import not_enough_memory, raise_if_short_of
 
 
 def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | None = None) -> bytes:
@@ -27,6 +27,8 @@ def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | N
     with os.fdopen(descriptor, "rb") as file:
         try:
             content = file.read() if max_bytes is None else file.read(max_bytes + 1)
+        except MemoryError as error:
+            raise not_enough_memory("the file", path) from error
         except OSError as error:  # a file of /proc that refuses reads, a disk that fails
             raise_if_short_of(error, path)
             raise ValueError(f"{os.fspath(path)} cannot be read ({error.strerror or error}); {fix}") from None

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from transformers_ccm.files import raise_if_short_of, replace_file
+from transformers_ccm.files import not_enough_memory, raise_if_short_of, replace_file
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header, write_errors_as_os_errors
 from transformers_ccm.streaming import CapAboveAdapterError, StreamingConfig
@@ -85,11 +85,8 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
             tensors = load(file.read())  # the bytes the header was read from, not the file again
     except (FileNotFoundError, NotADirectoryError):  # the latter: a file where the path has a folder
         raise FileNotFoundError(f"No memory file at {path}.") from None
-    except MemoryError as error:  # raised bare, naming neither the file nor its size
-        raise MemoryError(
-            f"Not enough memory to read the memory file {path}, which is read whole; free some memory (or raise this "
-            "process's limit, ulimit -v), then load it again: the file was not judged."
-        ) from error
+    except MemoryError as error:
+        raise not_enough_memory("the memory file", path) from error
     except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
         if isinstance(error, OSError):
             raise_if_short_of(error, path)
