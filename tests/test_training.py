@@ -7,6 +7,7 @@ import json
 import random
 import re
 import shutil
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from transformers import TrainingArguments
 
 from crafted_files import pipe_feeding
 from fault_injection import FAILURES, FailAt, count_operations
-from test_files import open_files_limit
+from test_files import file_size_limit, open_files_limit
 from tiny_models import (
     VOCAB,
     InjectedFailure,
@@ -675,15 +676,51 @@ def test_resume_at_the_limit_of_open_files_is_refused_without_telling_to_delete_
     check_resume(folder, CCMConfig(lora_dropout=0.0), recipe)
 
 
-def test_a_checkpoint_not_written_for_want_of_file_descriptors_says_so_not_that_the_disk_is_full(tmp_path):
+def test_a_checkpoint_cut_short_by_a_full_disk_is_removed_and_the_fix_names_the_checkpoint_to_resume_from(
+    tmp_path, monkeypatch
+):
+    """A checkpoint whose optimizer state the disk could not take stayed, cut short, taking room on a full disk; and
+    with no whole checkpoint before it, --resume and a fresh start both refused the folder until it was deleted."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
+    model.save_pretrained(tmp_path / "sizes")
+    room = (tmp_path / "sizes" / "adapter_model.safetensors").stat().st_size + 1000  # not the optimizer's state
+    save_checkpoint, calls = CCMTrainer._save_checkpoint, itertools.count()
+
+    def onto_a_full_disk(self: CCMTrainer, *args: object) -> None:  # the real writers, the second time on a full disk
+        with file_size_limit(room) if next(calls) == 1 else nullcontext():
+            save_checkpoint(self, *args)
+
+    monkeypatch.setattr(CCMTrainer, "_save_checkpoint", onto_a_full_disk)
+    samples = [recall_sample(random.Random(seed)) for seed in range(4)]
+    recipe = TrainingRecipe(steps=2, batch_size=2, save_every=1)
+    run = tmp_path / "run"
+    with pytest.raises(OSError) as refused:
+        train(model, None, samples, None, run, recipe)
+    assert re.fullmatch(
+        rf"could not write the checkpoint {re.escape(str(run / 'checkpoint-2'))} \(.*\): is the disk full\? Make room, "
+        rf"then resume \(ccm train --resume, resume=True\) from {re.escape(str(run / 'checkpoint-1'))}\.",
+        str(refused.value),
+    ), refused.value
+    assert [path.name for path in run.iterdir()] == ["checkpoint-1"]
+    check_resume(run, CCMConfig(lora_dropout=0.0), recipe)
+
+
+def test_a_checkpoint_not_written_for_want_of_file_descriptors_says_so_not_that_the_disk_is_full(tmp_path, monkeypatch):
+    save_checkpoint = CCMTrainer._save_checkpoint
+
+    def without_descriptors(self: CCMTrainer, *args: object) -> None:  # the real writers, at the limit of open files
+        with open_files_limit(0):
+            save_checkpoint(self, *args)
+
+    monkeypatch.setattr(CCMTrainer, "_save_checkpoint", without_descriptors)
     model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(lora_dropout=0.0))
     samples = [recall_sample(random.Random(seed)) for seed in range(2)]
-    with pytest.raises(OSError) as refused, open_files_limit(2):
+    with pytest.raises(OSError) as refused:
         train(model, None, samples, None, tmp_path / "run", TrainingRecipe(steps=1, batch_size=2, save_every=1))
     assert re.fullmatch(
-        rf"could not write the checkpoint {re.escape(str(tmp_path / 'run' / 'checkpoint-1'))} \(\[Errno 24\] Cannot "
-        r"save .*\): this process has too many files open: close some, or raise its limit \(ulimit -n\), then resume "
-        r"\(ccm train --resume, resume=True\) from the last checkpoint saved whole\.",
+        rf"could not write the checkpoint {re.escape(str(tmp_path / 'run' / 'checkpoint-1'))} \(\[Errno 24\] .*\): "
+        r"this process has too many files open: close some, or raise its limit \(ulimit -n\), then resume \(ccm train "
+        r"--resume, resume=True\) from the last checkpoint saved whole\.",
         str(refused.value),
     ), refused.value
     assert list((tmp_path / "run").iterdir()) == []  # no checkpoint-1 cut short

@@ -13,10 +13,11 @@ import pickle
 import platform
 import random
 import re
+import shutil
 import traceback
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -165,13 +166,21 @@ class CCMTrainer(Trainer):
                 )
                 if isinstance(error, RuntimeError) and not written_by_torch:
                     raise
-                step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                output_dir = self._get_output_dir(trial)
+                checkpoint = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                # The checkpoint cut short took room on a disk that had none left, and stayed: --resume skipped it,
+                # a run started anew refused it, and with no whole checkpoint before it the fix was to find and delete
+                # it. One whole (a failure after its state was written) stays.
+                if self.args.should_save and not os.path.exists(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+                    shutil.rmtree(checkpoint, ignore_errors=True)
                 # Out of file descriptors, not of room: making room on the disk would not help.
                 fix = (short_of(error) if isinstance(error, OSError) else None) or "is the disk full? Make room"
-                raise OSError(
-                    f"could not write the checkpoint {os.path.join(self._get_output_dir(trial), step)} ({error}): "
-                    f"{fix}, then resume (ccm train --resume, resume=True) from the last checkpoint saved whole."
-                ) from error
+                resume = "resume (ccm train --resume, resume=True) from"
+                then = f"{resume} the last checkpoint saved whole"
+                with suppress(OSError):  # the folder cannot be listed now (no descriptor left): said as above
+                    last = _resumed_checkpoint(output_dir)
+                    then = f"{resume} {last}" if last else "train again (no checkpoint was saved whole)"
+                raise OSError(f"could not write the checkpoint {checkpoint} ({error}): {fix}, then {then}.") from error
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         if not self.args.should_save:  # one process writes; every process holds the same adapter
