@@ -2,9 +2,11 @@
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from fault_injection import ValuesRead
 from test_online import StopAfter
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
+from transformers_ccm.cache import CacheSpec
 from transformers_ccm.memory_file import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
 
 
@@ -111,6 +114,34 @@ def test_saving_to_a_folder_or_into_a_missing_folder_says_so(tmp_path):
     cache.save(tmp_path / "user.safetensors")
     loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", model)
     assert torch.equal(loaded.layers[0].keys, cache.layers[0].keys)
+
+
+@functools.cache
+def _spec(model: CCMForCausalLM) -> CacheSpec:
+    return model.cache_spec()  # once: it hashes the adapter's weights
+
+
+@functools.cache
+def _saved_memory(model: CCMForCausalLM) -> bytes:
+    """The bytes of a memory file of `model`'s."""
+    with tempfile.TemporaryDirectory() as folder:
+        _filled(model, 1).save(os.path.join(folder, "user.safetensors"))
+        with open(os.path.join(folder, "user.safetensors"), "rb") as file:
+            return file.read()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fraction=st.floats(0, 1, exclude_max=True))
+def test_a_memory_file_cut_at_any_byte_is_refused_naming_it(tmp_path, fraction):
+    """A save or a copy cut short by the system (a full disk, a killed copy) leaves a file of any length: each is
+    refused with a ValueError naming the file, before any cache is built. Half the cuts fall in its header."""
+    model = tiny_ccm("llama")
+    content = _saved_memory(model)
+    header = 8 + int.from_bytes(content[:8], "little")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(content[: int(fraction * header) if fraction < 0.5 else int(fraction * len(content))])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))} is not a readable safetensors memory file \("):
+        CompressedMemoryCache.load(cut, _spec(model))
 
 
 def test_loading_into_another_adapter_or_model_fails(tmp_path):
