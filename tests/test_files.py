@@ -310,6 +310,24 @@ def test_a_folder_that_cannot_be_written_is_named_and_left_as_it_was(tmp_path, a
     assert _contents(tmp_path) == before and {path.name for path in tmp_path.iterdir()} == ADAPTER_FILES
 
 
+def test_a_new_folder_in_a_read_only_place_is_refused_naming_it_and_the_fix(tmp_path, adapters):
+    """Making the adapter's folder failed with the system's bare "[Errno 13] Permission denied: '...'"."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    # The superuser writes into read-only folders; /sys refuses everyone.
+    place = locked if not os.access(locked, os.W_OK) else Path("/sys")
+    _, new, _ = adapters
+    with pytest.raises(PermissionError) as refused:
+        new.save_pretrained(place / "ccm-adapter" / "deeper")
+    code = refused.value.errno
+    assert str(refused.value) == (
+        f"[Errno {code}] Cannot save {place / 'ccm-adapter' / 'deeper'} ({os.strerror(code)}); choose a writable "
+        "folder, then save again. Nothing there was replaced."
+    )
+    assert not (place / "ccm-adapter").exists()
+
+
 def test_a_symlink_to_a_folder_saves_into_that_folder(tmp_path, adapters):
     _, new, target = adapters
     (tmp_path / "real").mkdir()

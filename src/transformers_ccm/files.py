@@ -180,6 +180,8 @@ def made_folder(folder: str | os.PathLike[str], fix: str) -> Iterator[Path]:
             folder.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
             raise ValueError(f"{folder} is a file (or a broken link), or inside one; {fix}") from None
+        except OSError as error:  # a read-only place: it named the folder, not what to do
+            raise _write_error(error, folder) from error
         yield folder
     except BaseException:
         for path in made:
