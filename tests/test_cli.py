@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
@@ -18,6 +20,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from test_files import file_size_limit
 from tiny_models import tiny_ccm, tiny_full_context_baseline
@@ -642,6 +646,68 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
     captured = capsys.readouterr()
     assert captured.out.count("assistant:") == 3 and "File too large" in captured.err
     assert memory.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["user.safetensors"]
+
+
+# Run in a process of its own: a limit of the address space would fail whatever else the test runner allocates.
+_CHAT_UNDER_A_MEMORY_LIMIT = """
+import io, os, resource, sys
+from transformers_ccm import CompressedMemoryCache
+from transformers_ccm.cli import main
+
+load = CompressedMemoryCache.load.__func__
+
+
+def under_a_memory_limit(cls, path, model):  # the real load, as the process's limit (ulimit -v) is nearly reached
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (used + os.path.getsize(path) // 2, resource.RLIM_INFINITY))
+    try:
+        return load(cls, path, model)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+CompressedMemoryCache.load = classmethod(under_a_memory_limit)
+sys.stdin = io.StringIO("Hi\\n")
+main(["chat", "--model", sys.argv[1], "--adapter", sys.argv[2], "--memory-file", sys.argv[3]])
+"""
+
+
+@pytest.mark.slow  # a new process: its imports and model load take about 10 s
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space used from /proc")
+def test_a_memory_file_too_large_for_the_memory_left_ends_the_chat_with_the_error_not_a_traceback(
+    tiny_model, adapter, tmp_path
+):
+    model = CCMForCausalLM.from_pretrained(adapter, base_model=tiny_model)
+    cache = model.new_cache()
+    model.compress(cache, torch.tensor([[5, 6, 7]]))
+    cache.save(tmp_path / "one.safetensors")
+    with safe_open(tmp_path / "one.safetensors", framework="pt") as file:
+        metadata = file.metadata()
+    # The same user 2^17 times over: 64 MiB, more than glibc takes from memory freed before (the model's load freed
+    # some) rather than from a new mapping, which the limit refuses.
+    rows = {
+        name: value.repeat(2**17, *[1] * (value.dim() - 1))
+        for name, value in load_file(tmp_path / "one.safetensors").items()
+    }
+    memory = tmp_path / "users.safetensors"
+    save_file(rows, memory, metadata)
+    before = memory.read_bytes()
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", _CHAT_UNDER_A_MEMORY_LIMIT, tiny_model, adapter, str(memory)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.endswith(
+        f"ccm chat: error: Not enough memory to read the memory file {memory}, which is read whole; free some memory "
+        "(or raise this process's limit, ulimit -v), then load it again: the file was not judged.\n"
+    ), result.stderr
+    assert memory.read_bytes() == before
 
 
 def test_eval_scores_your_own_jsonl_files_by_number_of_contexts(tiny_model, adapter, tmp_path, capsys):

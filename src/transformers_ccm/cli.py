@@ -1418,7 +1418,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"ccm {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except OSError as error:  # the system refused the work (a full disk, a folder made read-only meanwhile)
+    # The system refused the work (a full disk, a folder made read-only meanwhile, a memory limit as a file was read).
+    except (OSError, MemoryError) as error:
         print(f"ccm {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: the status a shell expects of an interrupted command, not a traceback
