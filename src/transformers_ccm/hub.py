@@ -658,17 +658,20 @@ def push_adapter(
         raise TypeError(f"commit_description must be a string, got a {type(commit_description).__name__}.")
     card_tags = _tags(tags)
     _check_shard_size(max_shard_size)
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
-    if revision is not None and not revision.startswith("refs/pr/"):  # a pull request's ref is no branch to create
-        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
     # Not a TemporaryDirectory: its removal lists the folder, which at the process's limit of open files failed, left
     # the folder and the adapter's files in the system's temporary folder, and raised in place of the save's error.
     folder = tempfile.mkdtemp(prefix="ccm-push-")
     try:
+        # Staged before the first request too: a disk that could not take the files left a repo made for nothing.
         save_adapter(folder, config, lora_config, tensors, repo_id=repo_id, tags=card_tags)
+        api = HfApi(token=token)
+        created = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        if created != repo_id:  # a name without a namespace, which the Hub put under the token's user: the card says so
+            save_adapter(folder, config, lora_config, tensors, repo_id=created, tags=card_tags)
+        if revision is not None and not revision.startswith("refs/pr/"):  # a pull request's ref is no branch to create
+            api.create_branch(created, branch=revision, exist_ok=True, repo_type="model")
         return api.upload_folder(
-            repo_id=repo_id,
+            repo_id=created,
             folder_path=folder,
             commit_message=commit_message or f"Upload CCM-{config.update} adapter",
             commit_description=commit_description,
