@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from test_files import file_size_limit
+from test_files import file_size_limit, open_files_limit
 from tiny_models import tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM, memory_file
 from transformers_ccm import cli as cli_module
@@ -625,6 +625,19 @@ def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adap
             main(["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(path)])
         captured = capsys.readouterr()
         assert message in captured.err and "assistant:" not in captured.out
+
+
+def test_chat_at_the_limit_of_open_files_says_so_not_to_choose_another_place(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    memory = tmp_path / "user.safetensors"
+    for command in (["chat", "--memory-file", str(memory)], ["eval", "--output-dir", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as exit_info, open_files_limit(0):
+            main(command)
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert "cannot be written ([Errno 24] Too many open files" in error
+        assert error.endswith("this process has too many files open: close some, or raise its limit (ulimit -n).\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from transformers_ccm.config import UPDATE_RULES, CCMConfig
 from transformers_ccm.embedded import DEFAULT_MODEL
 from transformers_ccm.extras import figure
-from transformers_ccm.files import made_folder, nearest_existing, replace_files
+from transformers_ccm.files import made_folder, nearest_existing, replace_files, short_of
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -1096,8 +1096,9 @@ def _check_writable(path: str) -> None:
         tempfile.NamedTemporaryFile(dir=folder).close()
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise PermissionError(f"{path} is read-only")
-    except OSError as error:
-        raise ValueError(f"--memory-file {path} cannot be written ({error}); choose a writable place.") from None
+    except OSError as error:  # of a place, or of the process (no descriptor left), which another place would not fix
+        fix = short_of(error) or "choose a writable place"
+        raise ValueError(f"--memory-file {path} cannot be written ({error}); {fix}.") from None
 
 
 def _check_output_dir(path: str) -> None:
@@ -1109,7 +1110,8 @@ def _check_output_dir(path: str) -> None:
     try:  # a real write: permissions alone do not tell (read-only file systems, the superuser)
         tempfile.NamedTemporaryFile(dir=existing).close()
     except OSError as error:
-        raise ValueError(f"--output-dir {path} cannot be written ({error}); choose a writable place.") from None
+        fix = short_of(error) or "choose a writable place"
+        raise ValueError(f"--output-dir {path} cannot be written ({error}); {fix}.") from None
 
 
 def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
