@@ -628,6 +628,10 @@ def test_chat_refuses_an_unwritable_memory_file_before_any_work(tiny_model, adap
 
 
 def test_chat_at_the_limit_of_open_files_says_so_not_to_choose_another_place(tmp_path, monkeypatch, capsys):
+    # Imported by ccm chat and ccm eval first: their files would not open at the limit.
+    import transformers_ccm.chat
+    import transformers_ccm.evaluation  # noqa: F401
+
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     memory = tmp_path / "user.safetensors"
     for command in (["chat", "--memory-file", str(memory)], ["eval", "--output-dir", str(tmp_path / "out")]):
