@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -663,6 +664,29 @@ def test_a_failed_save_keeps_the_previous_memory_file(tiny_model, adapter, tmp_p
     captured = capsys.readouterr()
     assert captured.out.count("assistant:") == 3 and "File too large" in captured.err
     assert memory.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["user.safetensors"]
+
+
+def test_a_memory_file_replaced_by_a_pipe_between_turns_keeps_the_chat_and_its_memory_going(
+    tiny_model, adapter, tmp_path, monkeypatch, capsys
+):
+    """The save's refusal of a pipe in the file's place (a ValueError) ended the chat, its memory unsaved."""
+    memory = tmp_path / "user.safetensors"
+
+    def messages():
+        yield "Hi, I am Ann.\n"
+        memory.unlink()  # another process puts a pipe where the memory file was
+        os.mkfifo(memory)
+        yield "Still there?\n"
+
+    monkeypatch.setattr("sys.stdin", messages())
+    main(["chat", "--model", tiny_model, "--adapter", adapter, "--memory-file", str(memory), "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant:") == 2
+    assert captured.err.endswith(
+        f"ccm chat: could not save the memory to {memory} ({memory} is not a regular file (a device, a pipe or a "
+        "socket); give the path of a file, or move it away to save a file there.); it is kept for the next turn.\n"
+    )
+    assert stat.S_ISFIFO(os.lstat(memory).st_mode) and [path.name for path in tmp_path.iterdir()] == [memory.name]
 
 
 # Run in a process of its own: a limit of the address space would fail whatever else the test runner allocates.

@@ -1119,7 +1119,9 @@ def _save_memory(cache: CompressedMemoryCache, path: str) -> None:
     the conversation going with the memory in hand."""
     try:
         cache.save(path)
-    except OSError as error:
+    # ValueError: a pipe or a device put in the file's place since the last turn, which ended the chat, the
+    # conversation unsaved.
+    except (OSError, ValueError) as error:
         print(
             f"ccm chat: could not save the memory to {path} ({error}); it is kept for the next turn.", file=sys.stderr
         )
