@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from test_files import file_size_limit
 from transformers_ccm.embedded import (
     CACHE_ENV,
     CONVERTED_MANIFEST,
@@ -158,6 +159,18 @@ def test_a_cache_root_that_cannot_be_written_warns_and_still_loads(tmp_path, mon
     assert f"set {CACHE_ENV} to a writable folder" in caplog.text
     _tokenizes_as(tokenizer, reference)
     assert os.listdir(tmp_path) == ["a-file"]
+
+
+def test_a_conversion_the_disk_cannot_take_leaves_nothing_and_the_gguf_file_is_read(tmp_path, monkeypatch, caplog):
+    """A full disk part way through the tokenizer.json: no copy, no staging folder, a warning, the same tokenizer."""
+    reference = load_tokenizer("default")  # the session's copy
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="transformers_ccm.embedded"), file_size_limit(1 << 20):
+        tokenizer = load_tokenizer("default")
+    assert f"Cannot keep the converted embedded model in {tmp_path}" in caplog.text and "File too large" in caplog.text
+    _tokenizes_as(tokenizer, reference)
+    (version,) = tmp_path.iterdir()
+    assert os.listdir(version) == []
 
 
 def test_an_empty_cache_setting_keeps_no_copy(tmp_path, monkeypatch):

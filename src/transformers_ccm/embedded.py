@@ -162,7 +162,9 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
         shutil.rmtree(path, ignore_errors=True)
     try:
         new_folder(path, functools.partial(_convert, folder, part))
-    except OSError as error:
+    # Not only OSError: the tokenizers and safetensors writers raise their own exceptions for a full disk. The GGUF
+    # file is read below either way, which raises what keeps the model from loading at all.
+    except Exception as error:
         logger.warning(
             "Cannot keep the converted embedded model in %s (%s), so every load reads the GGUF file (some 20 s); set "
             "%s to a writable folder, or to an empty value not to try.",
