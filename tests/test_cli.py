@@ -553,6 +553,19 @@ def test_a_stream_of_a_files_first_tokens_reads_no_further_than_they_need(tokeni
         _leading_ids(tokenizer, read, None)
 
 
+@pytest.mark.parametrize("tokens", [10**12, 2**61])
+def test_a_stream_longer_than_its_file_reads_the_file_whole(tokenizer, tmp_path, tokens):
+    """`ccm stream-eval --tokens 1000000000000` asked `read` for 8 TB of a small file, set aside before a byte was
+    read: a MemoryError (an OverflowError for 2**61 tokens) where a stream of the whole file was due."""
+    from transformers_ccm.cli import _file_prefix, _first_prefix, _leading_ids
+
+    text = "The keeper counted ships at night. " * 20
+    (tmp_path / "short.txt").write_text(text, encoding="utf-8")
+    read = functools.partial(_file_prefix, str(tmp_path / "short.txt"))
+    assert read(_first_prefix(tokens)) == (text, True)
+    assert _leading_ids(tokenizer, read, tokens) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def test_stream_eval_streams_a_text_file_with_its_own_line_ends(tiny_model, adapter, tmp_path, capsys):
     """A file with Windows line ends ("\r\n") was streamed with "\n" in their place: another text than the file's,
     of other tokens (180 scored for the 200 of this one)."""

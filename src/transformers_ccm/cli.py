@@ -942,12 +942,23 @@ def _file_prefix(path: str, size: int | None) -> tuple[str, bool]:
     text (it was streamed and scored); line ends are, as the file has them (`read_text` turned "\r\n" into "\n",
     another stream than the file's)."""
     with open(path, "rb") as file:
-        data = file.read(-1 if size is None else size + 1)  # a byte more tells whether the file goes on
+        if size is None:
+            data = file.read()
+        else:
+            # A byte more tells whether the file goes on. Read in pieces: `read(n)` sets n bytes aside first, which
+            # for `--tokens 1000000000000` failed with a MemoryError (an OverflowError past 2**63 bytes).
+            data = bytearray()
+            while len(data) <= size and (piece := file.read(min(size + 1 - len(data), _READ_PIECE))):
+                data += piece
     whole = size is None or len(data) <= size
     try:
         return codecs.getincrementaldecoder("utf-8-sig")().decode(data[:size], final=whole), whole
     except UnicodeDecodeError as error:
         raise ValueError(f"--text-file {path} is not UTF-8 text ({error}); give a UTF-8 text file.") from None
+
+
+# The most `_file_prefix` reads at once.
+_READ_PIECE = 1 << 24
 
 
 def _string_prefix(text: str, size: int | None) -> tuple[str, bool]:
