@@ -148,6 +148,37 @@ def test_every_change_to_a_converted_copy_is_found(converted_tokenizer, tmp_path
     assert _damage(part) is not None
 
 
+NOT_FOLDERS = {
+    "a named pipe": lambda part, elsewhere: os.mkfifo(part),
+    "a link to a good copy": lambda part, elsewhere: part.symlink_to(elsewhere, target_is_directory=True),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_FOLDERS)
+def test_a_copy_that_is_no_folder_is_converted_again(converted_tokenizer, tmp_path, monkeypatch, caplog, kind):
+    """A copy's place holding a link was found damaged but never replaced (every load read the GGUF file, with a
+    warning that the cache folder could not be written), and one holding a named pipe hung every load for ever. It is
+    removed now, and what a link leads to is left as it was."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(converted_tokenizer, elsewhere)
+    part = tmp_path / "cache" / converted_tokenizer.parent.name / "tokenizer"
+    part.parent.mkdir(parents=True)
+    NOT_FOLDERS[kind](part, elsewhere)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    loaded = []
+    # In a thread that the test does not wait for past a minute: the pipe's load never returned.
+    thread = threading.Thread(target=lambda: loaded.append(load_tokenizer("default")), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="transformers_ccm.embedded"):
+        thread.start()
+        thread.join(timeout=60)
+    assert len(loaded) == 1
+    damaged = f"The converted embedded model at {part} is damaged (not a folder); converting it again."
+    assert caplog.messages == [damaged]
+    assert not part.is_symlink() and _damage(part) is None and os.listdir(part.parent) == ["tokenizer"]
+    _tokenizes_as(loaded[0], AutoTokenizer.from_pretrained(converted_tokenizer))
+    assert _damage(elsewhere) is None and sorted(os.listdir(elsewhere)) == sorted(os.listdir(converted_tokenizer))
+
+
 def test_a_cache_root_that_cannot_be_written_warns_and_still_loads(tmp_path, monkeypatch, caplog):
     reference = load_tokenizer("default")  # the session's copy
     blocker = tmp_path / "a-file"

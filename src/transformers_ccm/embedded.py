@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -159,7 +160,7 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
         if damage is None:
             return path
         logger.warning("The converted embedded model at %s is damaged (%s); converting it again.", path, damage)
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     try:
         new_folder(path, functools.partial(_convert, folder, part))
     # Not only OSError: the tokenizers and safetensors writers raise their own exceptions for a full disk. The GGUF
@@ -178,6 +179,17 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
         logger.warning("The converted embedded model at %s is damaged (%s) and cannot be replaced.", path, damage)
         return None
     return path
+
+
+def _remove(path: Path) -> None:
+    """Remove a damaged copy at `path` as far as it can be (what is left fails the copy made next). Something other
+    than a folder is unlinked, a link without what it leads to: `rmtree` left a file or a link there, so the copy was
+    never made again, and opened a named pipe to wait for a writer for ever."""
+    if path.is_symlink() or not path.is_dir():
+        with suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _convert(folder: Path, part: Part, into: Path) -> None:
