@@ -214,3 +214,26 @@ def test_an_empty_cache_setting_keeps_no_copy(tmp_path, monkeypatch):
     assert converted_cache_root() is None
     _tokenizes_as(load_tokenizer("default"), reference)
     assert sorted(os.listdir(tmp_path)) == ["tmp"] and os.listdir(tmp_path / "tmp") == []
+
+
+@pytest.mark.slow
+def test_a_memory_of_the_default_model_loads_whether_the_model_was_read_from_its_copy_or_its_gguf_file(
+    tmp_path, monkeypatch
+):
+    """The model read from the GGUF file records it as its quantization_config, which the memory's signature held: a
+    memory made where no copy is kept (and every one made before copies were) was refused by the model read from its
+    copy, and the other way."""
+    from transformers_ccm import CCMForCausalLM, CompressedMemoryCache
+
+    from_copy = CCMForCausalLM.from_pretrained("ccm:smollm2-concat")  # the session's copy
+    monkeypatch.setenv(CACHE_ENV, "")
+    from_gguf = CCMForCausalLM.from_pretrained("ccm:smollm2-concat")
+    for maker, reader in ((from_gguf, from_copy), (from_copy, from_gguf)):
+        cache = maker.new_cache()
+        maker.compress(cache, torch.tensor([[504, 2365, 6354, 253]]))
+        cache.save(tmp_path / "user.safetensors")
+        loaded = CompressedMemoryCache.load(tmp_path / "user.safetensors", reader)
+        assert all(
+            torch.equal(made.keys, read.keys) and torch.equal(made.values, read.values)
+            for made, read in zip(cache.layers, loaded.layers, strict=True)
+        )

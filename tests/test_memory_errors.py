@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import StoppingCriteriaList
+from transformers.utils.quantization_config import GgufConfig
 
 from crafted_files import with_huge_tensor
 from fault_injection import ValuesRead
@@ -154,6 +155,27 @@ def test_loading_into_another_adapter_or_model_fails(tmp_path):
         CompressedMemoryCache.load(tmp_path / "user.safetensors", tiny_ccm("qwen2"))
     with pytest.raises(ValueError, match="update: file 'concat' vs model 'merge'"):
         CompressedMemoryCache.load(tmp_path / "user.safetensors", tiny_ccm("llama", update="merge"))
+
+
+def test_a_memory_of_weights_read_from_a_gguf_file_loads_into_the_same_weights_read_otherwise(tmp_path):
+    """transformers records the GGUF file a model was read from as its config's quantization_config, which a memory's
+    signature held: a memory of the default model read from its GGUF file (every one made before its converted copy
+    was kept, and any made where TRANSFORMERS_CCM_CACHE is empty) was refused by the same weights read from the copy,
+    and the other way. Another quantization still tells models apart."""
+    plain = tiny_ccm("llama")
+    from_gguf = copy.deepcopy(plain)
+    from_gguf.base_model.config.quantization_config = GgufConfig(gguf_file="model.Q4_1.gguf")
+    path = tmp_path / "user.safetensors"
+    for maker, reader in ((from_gguf, plain), (plain, from_gguf)):
+        cache = _filled(maker)
+        cache.save(path)
+        loaded = CompressedMemoryCache.load(path, reader)
+        for made, read in zip(cache.layers, loaded.layers, strict=True):
+            assert torch.equal(made.keys, read.keys) and torch.equal(made.values, read.values)
+    from_gguf.base_model.config.quantization_config = {"quant_method": "awq", "bits": 4}
+    refused = r"base_config\.quantization_config: file None vs model \{'bits': 4, 'quant_method': 'awq'\}"
+    with pytest.raises(ValueError, match=refused):
+        CompressedMemoryCache.load(path, from_gguf)
 
 
 def test_corrupt_or_foreign_files(tmp_path):

@@ -44,7 +44,19 @@ def computing_settings(config: PretrainedConfig) -> dict[str, Any]:
         and "dropout" not in key
         and not key.endswith("pdrop")
     }
-    return json.loads(json.dumps(settings))  # tuples as lists, as a memory file's header holds them
+    return comparable_settings(json.loads(json.dumps(settings)))  # tuples as lists, as a memory file's header has them
+
+
+def comparable_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` (`computing_settings`, or those a memory file records) less the `quantization_config` that names the
+    GGUF file a model was read from: the same weights, read from the GGUF file or from a copy in transformers' format
+    (the embedded model's two ways), compute the same, and weights packed in GGUF blocks are told apart by their
+    fingerprint. A memory of the one was refused by the other, and every memory made with the default model before
+    its copy was kept (its header names the GGUF file) by the model read from the copy."""
+    found = settings.get("quantization_config")
+    if isinstance(found, dict) and found.get("quant_method") == "gguf":
+        return {key: value for key, value in settings.items() if key != "quantization_config"}
+    return settings
 
 
 def adapter_digest(tensors: list[tuple[str, torch.Tensor]]) -> str:

@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
 from transformers_ccm.files import not_enough_memory, raise_if_short_of, replace_file
+from transformers_ccm.identity import comparable_settings
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.safetensors_header import DeclaredTensor, safetensors_header, write_errors_as_os_errors
 from transformers_ccm.streaming import CapAboveAdapterError, StreamingConfig
@@ -133,6 +134,8 @@ class MemoryFile:
         signature = header.get("signature")
         if not isinstance(signature, dict):
             raise self._fail("its header has no signature")
+        if isinstance(signature.get("base_config"), dict):
+            signature = {**signature, "base_config": comparable_settings(signature["base_config"])}
         unrecorded = _UNRECORDED.get(version, ())
         expected = {key: value for key, value in spec.signature.items() if key not in unrecorded}
         differences = signature_differences(signature, expected, "file")
