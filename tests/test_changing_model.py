@@ -11,7 +11,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -435,6 +435,20 @@ def test_a_caches_config_records_the_settings_its_memory_was_made_with():
     model.config = cache.config  # the model takes the cache's settings, and may change them again
     model.config.ema_alpha = 0.7
     assert (model.config.ema_alpha, cache.config.ema_alpha) == (0.7, 0.5)
+
+
+def test_no_field_of_a_models_or_a_caches_config_can_be_deleted():
+    """`del` set no field, so nothing checked it: the class default showed through. A cache's record then folded with
+    EMA's default 0.5 under a signature naming 0.2, and a model built with 4 <COMP> tokens read 2 and failed inside
+    torch at its next call."""
+    config = CCMConfig(update="ema", ema_alpha=0.2, num_comp_tokens=4)
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), config))
+    cache = model.new_cache()
+    for config, name in ((cache.config, "ema_alpha"), (model.config, "num_comp_tokens"), (CCMConfig(), "update")):
+        before = asdict(config)
+        with pytest.raises(AttributeError, match=rf"CCMConfig\.{name} cannot be deleted; set it instead"):
+            delattr(config, name)
+        assert asdict(config) == before
 
 
 RULE_CHANGES: dict[str, tuple[bool, Callable[[CCMConfig], Any]]] = {

@@ -192,6 +192,17 @@ class CCMConfig:
                 )
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        """Refuse deleting a field: its class default showed through, past every check of `__setattr__` (`del
+        model.config.num_comp_tokens` read 2 for a model built with 4, whose next call failed inside torch, and `del
+        cache.config.ema_alpha` changed how that cache folded)."""
+        if name in _FIELD_NAMES:
+            raise AttributeError(
+                f"CCMConfig.{name} cannot be deleted; set it instead (config.{name} = ...), which is checked as the "
+                "constructor checks it."
+            )
+        super().__delattr__(name)
+
     def _hold_built_fields(self) -> None:
         """Refuse, from now on, a change of the fields a model was built with (`BUILT_FIELDS`): this is its config."""
         self.__dict__["_built"] = BUILT_FIELDS
