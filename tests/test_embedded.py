@@ -3,7 +3,9 @@
 import json
 import logging
 import os
+import resource
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -237,3 +239,23 @@ def test_a_memory_of_the_default_model_loads_whether_the_model_was_read_from_its
             torch.equal(made.keys, read.keys) and torch.equal(made.values, read.values)
             for made, read in zip(cache.layers, loaded.layers, strict=True)
         )
+
+
+@pytest.mark.slow
+def test_a_conversion_that_the_disk_refuses_warns_and_reads_the_gguf_file(tmp_path, monkeypatch, caplog):
+    """safetensors raised its own SafetensorError, no OSError, when the disk refused the copy's weights (full, or as
+    here a file size limit): the load failed with a traceback instead of reading the GGUF file."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not the whole process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers_ccm.embedded"):
+            config = load_base_config("default")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    refused = f"Cannot keep the converted embedded model in {tmp_path / 'cache'} ([Errno 27] File too large)"
+    assert refused in caplog.text
+    assert config.num_hidden_layers == 30 and config.hidden_size == 576
+    assert [path for path in (tmp_path / "cache").rglob("*") if not path.is_dir()] == []

@@ -36,6 +36,7 @@ from transformers_ccm.config import CONFIG_NAME
 from transformers_ccm.extras import require
 from transformers_ccm.files import new_folder
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
+from transformers_ccm.safetensors_header import write_errors_as_os_errors
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,9 @@ def _convert(folder: Path, part: Part, into: Path) -> None:
         del config.quantization_config
         config.save_pretrained(into)
         model.generation_config.save_pretrained(into)
-        save_model(model, os.fspath(into / "model.safetensors"), metadata={"format": "pt"})
+        # A full disk raised safetensors' own error, which is no OSError: the load failed instead of reading the GGUF.
+        with write_errors_as_os_errors():
+            save_model(model, os.fspath(into / "model.safetensors"), metadata={"format": "pt"})
     digests = {path.name: _file_digest(os.fspath(path)) for path in sorted(into.iterdir())}
     (into / CONVERTED_MANIFEST).write_text(json.dumps({"format_version": 1, "sha256": digests}, indent=2) + "\n")
 
