@@ -1,5 +1,6 @@
 """The embedded model: converted from its GGUF file once, kept checked, and the same model as transformers reads."""
 
+import fcntl
 import json
 import logging
 import os
@@ -179,6 +180,28 @@ def test_a_copy_that_is_no_folder_is_converted_again(converted_tokenizer, tmp_pa
     assert not part.is_symlink() and _damage(part) is None and os.listdir(part.parent) == ["tokenizer"]
     _tokenizes_as(loaded[0], AutoTokenizer.from_pretrained(converted_tokenizer))
     assert _damage(elsewhere) is None and sorted(os.listdir(elsewhere)) == sorted(os.listdir(converted_tokenizer))
+
+
+def test_what_a_conversion_killed_part_way_left_beside_a_good_copy_is_removed(
+    converted_tokenizer, tmp_path, monkeypatch
+):
+    """Two processes converted at once, and one was killed part way (SIGKILL, the OOM killer): its staging folder, a
+    model's worth of hundreds of MB, stayed for good, as the next conversion that removes such folders never came. A
+    live conversion's (held locked) is left alone."""
+    part = tmp_path / converted_tokenizer.parent.name / "tokenizer"
+    shutil.copytree(converted_tokenizer, part)
+    killed, live = (part.parent / f"{STAGING_PREFIX}{index}" for index in ("5f97e3774c51edd1-1", "5f97e3774c51edd1-2"))
+    for staging in (killed, live):
+        (staging / "tokenizer").mkdir(parents=True)
+        (staging / "tokenizer" / "tokenizer.json").write_bytes(b'{"version"')  # written part way
+    descriptor = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+        _tokenizes_as(load_tokenizer("default"), AutoTokenizer.from_pretrained(converted_tokenizer))
+        assert sorted(os.listdir(part.parent)) == sorted([live.name, "tokenizer"]) and _damage(part) is None
+    finally:
+        os.close(descriptor)
 
 
 def test_a_cache_root_that_cannot_be_written_warns_and_still_loads(tmp_path, monkeypatch, caplog):

@@ -34,7 +34,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.config import CONFIG_NAME
 from transformers_ccm.extras import require
-from transformers_ccm.files import new_folder
+from transformers_ccm.files import new_folder, remove_stale_staging
 from transformers_ccm.json_reading import parse_json_object, read_regular_file
 from transformers_ccm.safetensors_header import write_errors_as_os_errors
 
@@ -156,6 +156,10 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
     digest = _gguf_digest(os.fspath(gguf), found.st_size, found.st_mtime_ns)
     # Another transformers may convert the file otherwise: each version keeps its own copy.
     path = root / f"{gguf.stem}-{digest[:16]}-transformers-{transformers.__version__}" / part
+    if path.parent.is_dir():
+        # What a conversion killed part way left (hundreds of MB): a later conversion removed it, but none came where
+        # another process had made the copy meanwhile.
+        remove_stale_staging(path.parent)
     if os.path.lexists(path):
         damage = _damage(path)
         if damage is None:

@@ -126,7 +126,7 @@ def replace_files(writes: Mapping[str | os.PathLike[str], Callable[[str], object
     # swap (and its removal of staging folders) with the shared one, so that saves of many files there run at once.
     with folder_lock(folder, exclusive=len(paths) > 1) as locked:
         if locked and len(paths) > 1:
-            _remove_stale_staging(folder)
+            remove_stale_staging(folder)
         with _staging(folder, [path.name for path in paths]) as staging:
             path = folder
             try:
@@ -410,7 +410,7 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _remove_stale_staging(folder: Path) -> None:
+def remove_stale_staging(folder: Path) -> None:
     """Remove the staging folders that killed writers left in `folder` (ones no live writer holds locked). A folder
     that cannot be listed now (no file descriptor left) keeps them for a later save: this one goes on, and its own
     writes say what failed, if anything."""
