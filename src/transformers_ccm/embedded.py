@@ -211,7 +211,7 @@ def _convert(folder: Path, part: Part, into: Path) -> None:
         del config.quantization_config
         config.save_pretrained(into)
         model.generation_config.save_pretrained(into)
-        # A full disk raised safetensors' own error, which is no OSError: the load failed instead of reading the GGUF.
+        # safetensors' own error for a full disk says "IoError(Os { code: 28, ... })": the warning gives the system's.
         with write_errors_as_os_errors():
             save_model(model, os.fspath(into / "model.safetensors"), metadata={"format": "pt"})
     digests = {path.name: _file_digest(os.fspath(path)) for path in sorted(into.iterdir())}
