@@ -9,8 +9,6 @@ import os
 import re
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
@@ -24,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from test_files import file_size_limit, open_files_limit
+from test_files import file_size_limit, open_files_limit, run_python
 from tiny_models import tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM, memory_file
 from transformers_ccm import cli as cli_module
@@ -747,15 +745,7 @@ def test_a_memory_file_too_large_for_the_memory_left_ends_the_chat_with_the_erro
     memory = tmp_path / "users.safetensors"
     save_file(rows, memory, metadata)
     before = memory.read_bytes()
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-c", _CHAT_UNDER_A_MEMORY_LIMIT, tiny_model, adapter, str(memory)],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_python(_CHAT_UNDER_A_MEMORY_LIMIT, tiny_model, adapter, str(memory))
     assert result.returncode == 1, result.stderr
     assert result.stderr.endswith(
         f"ccm chat: error: Not enough memory to read the memory file {memory}, which is read whole; free some memory "

@@ -545,6 +545,19 @@ def test_a_memory_save_that_fails_at_any_file_operation_keeps_the_earlier_file(t
     assert [entry.name for entry in folder.iterdir()] == ["user.safetensors"]
 
 
+def run_python(script: str, *arguments: str) -> subprocess.CompletedProcess:
+    """`python -c script arguments` in a new process that imports what this one does, its output captured."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-c", script, *arguments],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @contextmanager
 def file_size_limit(limit):
     """Within the context, this process can write no file past `limit` bytes (a full disk as `ulimit -f` makes one):
@@ -792,16 +805,7 @@ def test_a_file_too_large_for_the_memory_left_is_named_with_the_fix_and_changes_
     for _ in range(4):
         model.compress(cache, torch.full((1024, 2), 5))
     cache.save(tmp_path / "user.safetensors")  # 8 MB: more than the adapter's load freed
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, os.environ.get("PYTHONPATH", "")])}
-    arguments = [str(tmp_path / "user.safetensors"), str(tmp_path / "adapter")]
-    result = subprocess.run(
-        [sys.executable, "-c", _LOAD_UNDER_A_MEMORY_LIMIT, *arguments],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_python(_LOAD_UNDER_A_MEMORY_LIMIT, str(tmp_path / "user.safetensors"), str(tmp_path / "adapter"))
     assert result.returncode == 0, result.stderr
     fix = "which is read whole; free some memory (or raise this process's limit, ulimit -v), then load it again: the "
     assert result.stdout.splitlines() == [
