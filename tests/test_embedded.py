@@ -157,6 +157,21 @@ NOT_FOLDERS = {
 }
 
 
+def test_a_load_checks_the_digests_of_the_files_it_reads_and_the_list_of_all(converted_tokenizer, tmp_path):
+    """A config alone is read without hashing the weights (half a second each `from_pretrained`), but not from a copy
+    whose files differ from its manifest's list."""
+    part = tmp_path / "version" / "tokenizer"
+    shutil.copytree(converted_tokenizer, part)
+    (part / "tokenizer.json").write_text("{}")
+    assert _damage(part, ("tokenizer_config.json",)) is None
+    assert _damage(part) == f"tokenizer.json is not the file {CONVERTED_MANIFEST} records"
+    (part / "tokenizer_config.json").write_text("{}")
+    changed = f"tokenizer_config.json is not the file {CONVERTED_MANIFEST} records"
+    assert _damage(part, ("tokenizer_config.json",)) == changed
+    (part / "chat_template.jinja").unlink()
+    assert _damage(part, ()) is not None and "are not those" in _damage(part, ())
+
+
 @pytest.mark.parametrize("kind", NOT_FOLDERS)
 def test_a_copy_that_is_no_folder_is_converted_again(converted_tokenizer, tmp_path, monkeypatch, caplog, kind):
     """A copy's place holding a link was found damaged but never replaced (every load read the GGUF file, with a

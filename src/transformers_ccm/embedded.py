@@ -6,8 +6,8 @@ offline; any other name or path goes to transformers' `from_pretrained` as usual
 Reading the GGUF file takes transformers some 20 s (its metadata is parsed field by field, twice), so the first load
 converts it once into transformers' own format (safetensors, a tokenizer.json), kept under `TRANSFORMERS_CCM_CACHE`
 (default: `$HF_HOME/transformers_ccm`), which later loads read in about a second. Each converted folder holds a
-manifest of its files' SHA-256 digests, checked at every load: a damaged or altered copy is converted again. Where
-the setting is empty, or the folder cannot be written, every load reads the GGUF file.
+manifest of its files' SHA-256 digests, checked for the files each load reads: a damaged or altered copy is converted
+again. Where the setting is empty, or the folder cannot be written, every load reads the GGUF file.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import CONFIG_NAME as BASE_CONFIG_NAME
 
 from transformers_ccm.config import CONFIG_NAME
 from transformers_ccm.extras import require
@@ -110,7 +111,9 @@ def _load(auto_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) 
             )
         return auto_class.from_pretrained(os.fspath(name_or_path), **kwargs)
     kwargs.pop("revision", None)
-    converted = _kept_copy(folder, "tokenizer" if auto_class is AutoTokenizer else "model")
+    # A config alone reads config.json: the weights' digest (half a second) is checked when they are read.
+    reading = (BASE_CONFIG_NAME,) if auto_class is AutoConfig else None
+    converted = _kept_copy(folder, "tokenizer" if auto_class is AutoTokenizer else "model", reading)
     if converted is None:
         require("gguf", "Reading the embedded model")
         return auto_class.from_pretrained(folder, gguf_file=GGUF_FILE, **kwargs)
@@ -145,9 +148,10 @@ def converted_cache_root() -> Path | None:
     return Path(value) if value else None
 
 
-def _kept_copy(folder: Path, part: Part) -> Path | None:
-    """The converted copy of `part` under the cache root, checked against its manifest and made (again) where it is
-    missing or damaged; None where there is no root, or nothing can be written there (the GGUF file is read then)."""
+def _kept_copy(folder: Path, part: Part, reading: tuple[str, ...] | None = None) -> Path | None:
+    """The converted copy of `part` under the cache root, checked against its manifest (the digests of the files
+    `reading`, or of all) and made (again) where it is missing or damaged; None where there is no root, or nothing can
+    be written there (the GGUF file is read then)."""
     root = converted_cache_root()
     if root is None:
         return None
@@ -161,7 +165,7 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
         # another process had made the copy meanwhile.
         remove_stale_staging(path.parent)
     if os.path.lexists(path):
-        damage = _damage(path)
+        damage = _damage(path, reading)
         if damage is None:
             return path
         logger.warning("The converted embedded model at %s is damaged (%s); converting it again.", path, damage)
@@ -179,7 +183,8 @@ def _kept_copy(folder: Path, part: Part) -> Path | None:
             CACHE_ENV,
         )
         return None
-    damage = _damage(path)  # the copy another writer made meanwhile, or something put there that cannot be removed
+    # The copy another writer made meanwhile, or something put there that cannot be removed.
+    damage = _damage(path, reading)
     if damage is not None:
         logger.warning("The converted embedded model at %s is damaged (%s) and cannot be replaced.", path, damage)
         return None
@@ -218,9 +223,9 @@ def _convert(folder: Path, part: Part, into: Path) -> None:
     (into / CONVERTED_MANIFEST).write_text(json.dumps({"format_version": 1, "sha256": digests}, indent=2) + "\n")
 
 
-def _damage(path: Path) -> str | None:
+def _damage(path: Path, reading: tuple[str, ...] | None = None) -> str | None:
     """What is wrong with the converted copy at `path`, or None where its files are exactly those its manifest lists,
-    with the digests it records."""
+    the files `reading` (all where None) with the digests it records."""
     if path.is_symlink() or not path.is_dir():
         return "not a folder"
     manifest_path = path / CONVERTED_MANIFEST
@@ -236,7 +241,8 @@ def _damage(path: Path) -> str | None:
             return f"its files {names} are not those {CONVERTED_MANIFEST} lists"
         for name, digest in recorded.items():
             file = path / name
-            if file.is_symlink() or not file.is_file() or _file_digest(os.fspath(file)) != digest:
+            checked = reading is None or name in reading
+            if file.is_symlink() or not file.is_file() or (checked and _file_digest(os.fspath(file)) != digest):
                 return f"{name} is not the file {CONVERTED_MANIFEST} records"
     except ValueError as error:  # the manifest's own problem, which names it
         return str(error).rstrip("; ")
