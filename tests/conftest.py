@@ -15,21 +15,24 @@ from transformers_ccm.embedded import CACHE_ENV, load_tokenizer
 settings.register_profile("untimed", deadline=None)
 settings.load_profile("untimed")
 
-_CONVERTED = pytest.StashKey[str]()
+_CONVERTED = pytest.StashKey[tuple[str | None, str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The embedded model is converted from its GGUF file once per session, into a folder of the session's (the
-    commands the tests run inherit it), not into the user's cache; a folder set in the environment is used as is."""
-    if CACHE_ENV not in os.environ:
-        config.stash[_CONVERTED] = os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="ccm-test-converted-")
+    commands the tests run inherit it), whatever the environment says: not into the user's cache, and never skipped
+    (an empty setting would make every load read the GGUF file, and the tests of the copy fail)."""
+    config.stash[_CONVERTED] = (os.environ.get(CACHE_ENV), tempfile.mkdtemp(prefix="ccm-test-converted-"))
+    os.environ[CACHE_ENV] = config.stash[_CONVERTED][1]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    folder = config.stash.get(_CONVERTED, None)
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
+    earlier, folder = config.stash[_CONVERTED]
+    shutil.rmtree(folder, ignore_errors=True)
+    if earlier is None:
         del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = earlier
 
 
 @pytest.fixture(scope="module")
