@@ -64,18 +64,17 @@ def nearest_existing(path: str | os.PathLike[str]) -> str:
     return existing
 
 
-def short_of(error: OSError) -> str | None:
-    """What to do where `error` says that this process or the machine ran short (of descriptors, of memory), which
-    is no fault of the file it was about; None for any other error."""
-    return _SHORT_OF.get(error.errno) if isinstance(error.errno, int) else None
+def short_of(error: BaseException) -> str | None:
+    """What to do where `error` is an OSError that says this process or the machine ran short (of descriptors, of
+    memory), which is no fault of the file it was about; None for any other error."""
+    return _SHORT_OF.get(error.errno) if isinstance(error, OSError) and isinstance(error.errno, int) else None
 
 
-def raise_if_short_of(error: OSError, path: str | os.PathLike[str]) -> None:
+def raise_if_short_of(error: BaseException, path: str | os.PathLike[str]) -> None:
     """Raise, as an OSError that names `path` and what to do, an `error` of reading it that says the process or the
     machine ran short (`short_of`): a reader that takes any other OSError for a damaged file would tell to delete a
     good one, or to save it again."""
-    fix = short_of(error)
-    if fix is not None:
+    if isinstance(error, OSError) and (fix := short_of(error)) is not None:
         raise OSError(
             error.errno,
             f"Cannot read {os.fspath(path)} ({error.strerror}); {fix}, then read it again: the file was not judged.",

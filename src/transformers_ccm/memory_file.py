@@ -89,8 +89,7 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
     except MemoryError as error:
         raise not_enough_memory("the memory file", path) from error
     except (SafetensorError, OSError) as error:  # the file's fault; any other error (out of memory) goes up as is
-        if isinstance(error, OSError):
-            raise_if_short_of(error, path)
+        raise_if_short_of(error, path)
         raise ValueError(f"{path} is not a readable safetensors memory file ({error}).") from None
     content.read(tensors)
     return content

@@ -174,7 +174,7 @@ class CCMTrainer(Trainer):
                 if self.args.should_save and not os.path.exists(os.path.join(checkpoint, TRAINER_STATE_NAME)):
                     shutil.rmtree(checkpoint, ignore_errors=True)
                 # Out of file descriptors, not of room: making room on the disk would not help.
-                fix = (short_of(error) if isinstance(error, OSError) else None) or "is the disk full? Make room"
+                fix = short_of(error) or "is the disk full? Make room"
                 resume = "resume (ccm train --resume, resume=True) from"
                 then = f"{resume} the last checkpoint saved whole"
                 with suppress(OSError):  # the folder cannot be listed now (no descriptor left): said as above
@@ -844,7 +844,7 @@ def check_resume(
     try:  # the adapter the Trainer loads first, whose reader's own fix (save it again) fits no checkpoint
         saved, _ = read_adapter(Path(checkpoint))
     except (ValueError, OSError) as error:
-        if isinstance(error, OSError) and short_of(error) is not None:  # the process's want, not the checkpoint's
+        if short_of(error) is not None:  # the process's want, not the checkpoint's
             raise
         raise ValueError(f"{checkpoint} holds a damaged adapter ({error}); {fix}") from None
     settings = [*RESUMED_SETTINGS, *(("ema_alpha",) if config.update == "ema" else ())]
@@ -984,8 +984,7 @@ def _check_pickled_state(path: str, fix: str) -> None:
         with zipfile.ZipFile(path) as archive:
             bad_member = archive.testzip()
     except (zipfile.BadZipFile, OSError) as error:
-        if isinstance(error, OSError):
-            raise_if_short_of(error, path)
+        raise_if_short_of(error, path)
         raise ValueError(f"{path} is damaged ({error}); {fix}") from None
     if bad_member is not None:
         raise ValueError(f"{path} is damaged ({bad_member} fails its checksum); {fix}")
