@@ -585,14 +585,17 @@ def test_jsonl_field_errors_name_the_line(tmp_path, bad, good_before):
 
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), held_out=st.booleans(), split=st.sampled_from(["train", "test"]))
+@example(seed=84, held_out=False, split="test")  # a user named Don, told "Don't be too hard on yourself."
 def test_long_replies_never_name_the_users_own_facts(seed, held_out, split):
     """Other people in a rambling reply are distractors, never the user's name, friend or job, nor a job that
-    shares a word with it."""
+    shares a word with it. A contraction is no name: `\\b` ends a word at its apostrophe, so the check took "Don't"
+    for the name Don and failed at random (a few draws in ten thousand), though a possessive ("Don's") still names
+    him."""
     rng = random.Random(seed)
     avoid = (*rng.sample(words("first_name", split), 2), rng.choice(words("job", split)))
     text = ramble(rng, split, held_out, avoid)
     assert len(text.split()) >= 8
-    assert not [item for item in avoid if re.search(rf"\b{re.escape(item)}\b", text)]
+    assert not [item for item in avoid if re.search(rf"\b{re.escape(item)}\b(?!'t\b)", text)]
 
 
 def test_chat_replies_run_long_and_earlier_turns_may_ask():
