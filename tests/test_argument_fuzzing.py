@@ -3,7 +3,6 @@ LongTensor of ids) or refuses with a ValueError/TypeError naming the argument, l
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import tempfile
@@ -227,8 +226,10 @@ def test_a_save_to_an_empty_or_non_path_writes_nothing_and_names_the_argument(pa
     cache = model.new_cache(2)
     model.compress(cache, IDS)
     name = "save_directory" if what == "adapter" else "path"
-    # In a folder of its own: an empty path named the current folder, and the save wrote its files there.
-    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+    # In a folder of its own: an empty path named the current folder, and the save wrote its files there. (Not
+    # contextlib.chdir: Python 3.11+, and the package supports 3.10.)
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
         with pytest.raises((ValueError, TypeError), match=f"{name} (is empty|must be a path)"):
             model.save_pretrained(path) if what == "adapter" else cache.save(path)
         assert os.listdir(".") == []
