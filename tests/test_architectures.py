@@ -41,8 +41,21 @@ from transformers_ccm.lora import lora_layers
 
 def test_model_without_attention_interface_is_refused():
     bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
-    with pytest.raises(TypeError, match="AttentionInterface"):
+    with pytest.raises(TypeError, match=r"AttentionInterface, .* Known to work: llama, mistral, .*, gpt2\.$"):
         CCMForCausalLM.from_base(bloom, CCMConfig())
+
+
+def test_a_tested_type_that_the_installed_transformers_has_not_ported_is_refused_with_an_upgrade():
+    """transformers routes CodeGen's attention through the AttentionInterface from 5.24 (GPT-J's too): on 5.23
+    the refusal listed codegen among the types known to work. The model's class says so as those versions' does."""
+    base = more_tiny_base("codegen")
+    base._supports_attention_backend = False
+    fix = (
+        r"transformers 5\.\d+\.\d+\S* does not route codegen's attention through it yet, a later version does: upgrade"
+    )
+    with pytest.raises(TypeError, match=rf"CodeGenForCausalLM does not route .* AttentionInterface, .*\. {fix}"):
+        CCMForCausalLM.from_base(base, CCMConfig())
+    assert not lora_layers(base)
 
 
 _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -122,9 +123,17 @@ def check_supported(model: PreTrainedModel) -> None:
             "attention."
         )
     if not model._supports_attention_backend:
+        # transformers ports architectures to the AttentionInterface one release at a time (GPT-J and CodeGen in
+        # 5.24): a tested type refused here is one that the installed version has not ported yet.
+        fix = (
+            f"transformers {transformers.__version__} does not route {model.config.model_type}'s attention through it "
+            "yet, a later version does: upgrade transformers (pip install -U transformers)"
+            if model.config.model_type in TESTED_MODEL_TYPES
+            else f"Known to work: {', '.join(TESTED_MODEL_TYPES)}"
+        )
         raise TypeError(
             f"{name} does not route its attention through transformers' AttentionInterface, which CCM needs to "
-            f"insert its memory and block mask. Known to work: {', '.join(TESTED_MODEL_TYPES)}."
+            f"insert its memory and block mask. {fix}."
         )
     if not attention_modules(model):
         raise TypeError(f"{name}: found no attention layers (modules named *Attention with a layer_idx).")
