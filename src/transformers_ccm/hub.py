@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
+from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, snapshot_download
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from peft import LoraConfig
@@ -273,7 +273,10 @@ def resolve_adapter(
                     revision=revision,
                     token=token,
                     cache_dir=cache_dir,
-                    local_files_only=local_files_only,
+                    # huggingface-hub 1.x, offline (HF_HUB_OFFLINE=1), asks the Hub for the files of a commit hash
+                    # and raises OfflineModeIsEnabled, where its snapshot is cached; 2.x looks in the cache first.
+                    local_files_only=local_files_only
+                    or (constants.HF_HUB_OFFLINE and re.fullmatch(r"[0-9a-f]{40}", revision or "") is not None),
                     allow_patterns=["/".join((*inside, file)) for file in ADAPTER_FILES],
                 )
             )
