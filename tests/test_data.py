@@ -51,6 +51,20 @@ def test_strings_are_tokenized():
     assert batch["input_ids"].tolist() == [[97, 98, 0, 0, 99, 100]]
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+@pytest.mark.parametrize("field", ["contexts", "input", "output"])
+def test_bytes_are_refused_not_read_as_their_byte_values(kind, field):
+    """bytes are a sequence of ints (a `Sequence[int]`, as `Tokens` types ids, to a type checker too): text read in
+    binary mode was collated as token ids, its byte values, without a word."""
+    fields = {"contexts": [[5]], "input": [6], "output": [7]}
+    text = kind(b"ABC")  # 65, 66, 67: ids inside the vocabulary
+    fields[field] = [text] if field == "contexts" else text
+    where = re.escape(f"samples[0].{field}{'[0]' if field == 'contexts' else ''} is {kind.__name__}, neither")
+    for collate in (CCMDataCollator(CONFIG, tokenizer=wordpiece_tokenizer()), CCMDataCollator(CONFIG)):
+        with pytest.raises(ValueError, match=rf"{where} a string nor token ids; decode text to a string"):
+            collate([OnlineSample(**fields)])
+
+
 @pytest.mark.parametrize(
     ("sample", "where"),
     [

@@ -41,6 +41,13 @@ def token_ids(
         if tokenizer is None:
             raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
         ids = list(tokenizer(tokens, add_special_tokens=False)["input_ids"])
+    elif isinstance(tokens, (bytes, bytearray, memoryview)):
+        # A sequence of ints to Python (and to a type checker, `Sequence[int]`): text read in binary mode was taken
+        # for token ids, its byte values, without a word.
+        raise ValueError(
+            f"{where} is {type(tokens).__name__}, neither a string nor token ids; decode text to a string "
+            "(data.decode('utf-8')), or pass byte values meant as token ids as list(data)."
+        )
     else:
         # Checked, not cast: int(5.7) would silently train on another token, and -1 or an id past the vocabulary
         # would fail inside the embedding with torch's IndexError.
