@@ -51,6 +51,21 @@ def test_strings_are_tokenized():
     assert batch["input_ids"].tolist() == [[97, 98, 0, 0, 99, 100]]
 
 
+def test_a_tokenizer_of_one_string_tokenizes_samples_as_collating_does():
+    """`tokenized` (which train() runs) called the tokenizer once with the list of every string, which a function of
+    one string, as the collator itself calls it, failed on (or read as one text)."""
+
+    def tokenizer(text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(ch) - 90 for ch in text]}
+
+    samples = [OnlineSample(["ab", [5]], "c", "d"), OnlineSample([], "ab")]
+    collate = CCMDataCollator(CONFIG, tokenizer=tokenizer)
+    tokenized = collate.tokenized(samples)
+    assert [(s.contexts, s.input, s.output) for s in tokenized] == [([[7, 8], [5]], [9], [10]), ([], [7, 8], None)]
+    for key, tensor in collate(samples).items():
+        assert torch.equal(collate(tokenized)[key], tensor), key
+
+
 @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
 @pytest.mark.parametrize("field", ["contexts", "input", "output"])
 def test_bytes_are_refused_not_read_as_their_byte_values(kind, field):

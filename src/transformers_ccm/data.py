@@ -8,6 +8,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.config import CCMConfig
 from transformers_ccm.masks import sample_layout
@@ -29,6 +30,9 @@ def predicting_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 class Tokenizer(Protocol):
+    """What reads a string field: called with one string, it returns its ids under "input_ids" (a transformers
+    tokenizer, or a function of one string)."""
+
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
@@ -171,6 +175,8 @@ class CCMDataCollator:
     applies). Ids at `<COMP>` and padding positions are `pad_token_id`: no output depends on them.
 
     Args:
+        tokenizer: reads the samples' string fields (a transformers tokenizer, or any `Tokenizer`: a function of one
+            string that returns its ids under "input_ids"); None: samples of token ids only.
         pad_token_id: the id written there, one the model can embed (padding positions are embedded, then masked);
             None (a tokenizer without a pad token): 0.
         supervision: `"output"` (the paper): next-token loss on `O(t)` only. `"dense"`: also on every token of
@@ -249,9 +255,9 @@ class CCMDataCollator:
         return batch
 
     def tokenized(self, samples: Sequence[OnlineSample], name: str = "samples") -> list[OnlineSample]:
-        """`samples` with their contexts, inputs and outputs as token ids, from one batched tokenizer call: batches
-        of them skip tokenization. Without a tokenizer, strings stay (collating them then names the problem). Errors
-        name a sample as `name[index]`."""
+        """`samples` with their contexts, inputs and outputs as token ids (from one batched call of a transformers
+        tokenizer, or one call per string of any other `Tokenizer`): batches of them skip tokenization. Without a
+        tokenizer, strings stay (collating them then names the problem). Errors name a sample as `name[index]`."""
         for index, sample in enumerate(samples):
             check_sample(sample, f"{name}[{index}]")
         contexts = [sample_entries(s.contexts, f"{name}[{index}].contexts") for index, s in enumerate(samples)]
@@ -265,7 +271,11 @@ class CCMDataCollator:
         )
         if not strings or self.tokenizer is None:
             return list(samples)
-        ids = dict(zip(strings, self.tokenizer(strings, add_special_tokens=False)["input_ids"], strict=True))
+        if isinstance(self.tokenizer, PreTrainedTokenizerBase):  # one call: a fast tokenizer reads the batch at once
+            read = self.tokenizer(strings, add_special_tokens=False)["input_ids"]
+        else:  # a `Tokenizer` of one string, as collating calls it: given the list, it failed inside or read one text
+            read = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in strings]
+        ids = dict(zip(strings, read, strict=True))
 
         def as_ids(tokens: Tokens) -> Tokens:
             # A text read as no token stays text, for the error that names it to quote it (not to call it empty).
