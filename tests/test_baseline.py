@@ -26,6 +26,13 @@ def baseline(randomized: bool = True) -> CCMForCausalLM:
     return randomize_adapter(model) if randomized else model.eval()
 
 
+def test_as_plain_prompt_of_text_without_a_tokenizer_names_its_own_fix():
+    """The fix named was the collator's ("give CCMDataCollator a tokenizer"), which this call does not use."""
+    for sample in (OnlineSample(["hello"], [5]), OnlineSample([[5]], "hello")):
+        with pytest.raises(ValueError, match=r"is a string; pass as_plain_prompt a tokenizer, or token ids\."):
+            as_plain_prompt(sample)
+
+
 def test_the_layout_is_the_plain_history_with_the_ccm_labels():
     config = CCMConfig(num_comp_tokens=2)
     for supervision in ("output", "dense"):

@@ -40,6 +40,8 @@ def test_the_collator_labels_only_tokens_predicted_after_the_first_compression()
         ([[5] * 19, [True] * 19], "streams[1] must hold integer token ids"),
         ([[5] * 18 + [-1]], "streams[0] holds the token id -1, outside the model's vocabulary"),
         ([[5] * 18 + [VOCAB]], f"streams[0] holds the token id {VOCAB}, outside the model's vocabulary"),
+        # The collator has no tokenizer: the fix named was to give CCMDataCollator one.
+        (["a b c " * 19], "streams[0] is a string; a stream is token ids: tokenize its text first"),
         # Read as the byte values 5..23, token ids, without a word.
         ([bytes(range(5, 24))], "streams[0] is bytes, neither a string nor token ids"),
     ],

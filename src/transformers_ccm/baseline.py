@@ -31,9 +31,12 @@ def as_plain_prompt(sample: OnlineSample, tokenizer: Tokenizer | None = None) ->
     """`sample` with no contexts and the history `c(1) ... c(t) I(t)` (token ids, each part tokenized on its own
     as the collator does) as its input: what the baseline reads. Scoring these with the online path, e.g.
     `score_samples(baseline, tokenizer, plain, "ccm", metric)`, scores the baseline (no memory is compressed)."""
+    fix = "pass as_plain_prompt a tokenizer, or token ids"  # not the collator's: this call reads the strings
     history = [
         token
         for j, context in enumerate(sample_entries(sample.contexts, "the sample's contexts"))
-        for token in token_ids(context, tokenizer, f"c({j + 1})")
+        for token in token_ids(context, tokenizer, f"c({j + 1})", without_tokenizer=fix)
     ]
-    return replace(sample, contexts=[], input=history + token_ids(sample.input, tokenizer, "the input"))
+    return replace(
+        sample, contexts=[], input=history + token_ids(sample.input, tokenizer, "the input", without_tokenizer=fix)
+    )

@@ -36,14 +36,24 @@ class Tokenizer(Protocol):
     def __call__(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
+# A tokenizer's remedy in the error for a string without one: the collator's, unless a caller names its own.
+_GIVE_COLLATOR_A_TOKENIZER = "give CCMDataCollator a tokenizer, or pass token ids"
+
+
 def token_ids(
-    tokens: Tokens, tokenizer: Tokenizer | None, where: str, empty_ok: bool = False, vocabulary: int | None = None
+    tokens: Tokens,
+    tokenizer: Tokenizer | None,
+    where: str,
+    empty_ok: bool = False,
+    vocabulary: int | None = None,
+    without_tokenizer: str = _GIVE_COLLATOR_A_TOKENIZER,
 ) -> list[int]:
     """`tokens` as a list of ids (strings through `tokenizer`, without special tokens); `where` names them in
-    errors. With `vocabulary` (the model's number of embeddings), ids must be below it."""
+    errors, `without_tokenizer` the fix for a string given without a tokenizer. With `vocabulary` (the model's number
+    of embeddings), ids must be below it."""
     if isinstance(tokens, str):
         if tokenizer is None:
-            raise ValueError(f"{where} is a string; give CCMDataCollator a tokenizer, or pass token ids.")
+            raise ValueError(f"{where} is a string; {without_tokenizer}.")
         ids = list(tokenizer(tokens, add_special_tokens=False)["input_ids"])
     elif isinstance(tokens, (bytes, bytearray, memoryview)):
         # A sequence of ints to Python (and to a type checker, `Sequence[int]`): text read in binary mode was taken

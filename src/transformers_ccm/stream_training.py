@@ -42,7 +42,12 @@ class StreamCollator:
     def checked(self, streams: Sequence[Sequence[int]], name: str = "streams") -> list[list[int]]:
         """`streams` (named `name` in errors) as lists of token ids; raise a ValueError unless they are integer ids
         of the vocabulary, of one length long enough to compress."""
-        rows = [token_ids(stream, None, f"{name}[{i}]", vocabulary=self.vocabulary) for i, stream in enumerate(streams)]
+        # Streams are never tokenized here (train() gives its tokenizer to samples only): a text names that fix.
+        fix = "a stream is token ids: tokenize its text first (tokenizer(text, add_special_tokens=False)['input_ids'])"
+        rows = [
+            token_ids(stream, None, f"{name}[{i}]", vocabulary=self.vocabulary, without_tokenizer=fix)
+            for i, stream in enumerate(streams)
+        ]
         lengths = {len(row) for row in rows}
         if len(lengths) != 1:
             raise ValueError(f"Stream samples must all have one length, got lengths {sorted(lengths)}.")
