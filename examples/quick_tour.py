@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.config import UpdateRule
 
 QUERY, KEYS, LABELS = 5, range(10, 30), range(40, 56)
 
@@ -41,7 +42,7 @@ def build_base() -> PreTrainedModel:
     )
 
 
-def build_model(update: str = "concat") -> CCMForCausalLM:
+def build_model(update: UpdateRule = "concat") -> CCMForCausalLM:
     """The tiny base wrapped for CCM."""
     return CCMForCausalLM.from_base(build_base(), CCMConfig(num_comp_tokens=2, update=update, lora_dropout=0.0))
 
