@@ -365,6 +365,11 @@ def test_train_with_gradients_disabled_is_refused_before_any_work(tmp_path, cont
         ("pad_to_multiple_of", 0),
         ("seed", -1),  # numpy's "Seed must be between 0 and 2**32 - 1", once the model was set up for training
         ("seed", 2**32),
+        # Read as truth values: "false" turned checkpointing on, None turned grouping off.
+        ("gradient_checkpointing", "false"),
+        ("gradient_checkpointing", 1),
+        ("group_by_length", None),
+        ("group_by_length", "no"),
     ],
 )
 def test_a_recipe_with_a_bad_value_is_refused_before_training(setting, value):

@@ -344,6 +344,10 @@ class TrainingRecipe:
         _check_recipe(self.seed, "seed", f"an integer in 0..{MAX_SEED}", lambda v: is_int(v) and 0 <= v <= MAX_SEED)
         if self.pad_to_multiple_of is not None:
             _check_recipe(self.pad_to_multiple_of, "pad_to_multiple_of", "None or a positive integer", positive_int)
+        # Read as truth values: gradient_checkpointing="false" (a value from a config file) turned checkpointing on,
+        # and group_by_length=None turned grouping off, without a word.
+        for name in ("gradient_checkpointing", "group_by_length"):
+            _check_recipe(getattr(self, name), name, "True or False", lambda v: isinstance(v, bool))
 
 
 _check_recipe = partial(check_setting, "TrainingRecipe")
