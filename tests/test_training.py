@@ -378,6 +378,16 @@ def test_a_recipe_with_a_bad_value_is_refused_before_training(setting, value):
         TrainingRecipe(**{"steps": 1, "batch_size": 2, setting: value})
 
 
+@pytest.mark.parametrize("resume", ["False", None])
+def test_train_refuses_a_resume_flag_other_than_true_or_false_before_any_work(tmp_path, resume):
+    """resume="no" is truthy: the run went on from the checkpoint there, as resume=True does."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig())
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=rf"^resume must be True or False, got {re.escape(repr(resume))}\.$"):
+        train(model, None, [OnlineSample([[5]], [6], [7])], None, tmp_path / "out", resume=resume)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 @given(steps=st.integers(max_value=0), batch_size=st.integers(min_value=1, max_value=64))
 def test_a_recipe_takes_only_positive_steps(steps, batch_size):
     with pytest.raises(ValueError, match=r"TrainingRecipe\.steps must be a positive integer"):

@@ -42,7 +42,7 @@ from transformers_ccm.data import (
 )
 from transformers_ccm.distillation import distillation_loss
 from transformers_ccm.files import raise_if_short_of, replace_file, short_of
-from transformers_ccm.hub import VERIFIED_FILES, read_adapter
+from transformers_ccm.hub import VERIFIED_FILES, check_flags, read_adapter
 from transformers_ccm.json_reading import parse_json_object
 from transformers_ccm.modeling import CCMForCausalLM
 from transformers_ccm.modes import modes_kept
@@ -409,6 +409,7 @@ def train(
     if len(train_samples) == 0:  # the Trainer ran no step and the untrained adapter was saved as the result
         raise ValueError("train_samples is empty; give at least one sample to train on.")
     recipe = recipe or TrainingRecipe()
+    check_flags(resume=resume)  # resume="no" is truthy: it went on from the checkpoint it said not to
     check_stop_at_step(stop_at_step, recipe)
     on_gpu = torch.cuda.is_available()
     bf16 = _uses_bf16(recipe.precision, on_gpu)
