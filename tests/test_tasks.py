@@ -141,6 +141,25 @@ def test_wordings_are_many_and_some_held_out(task):
     assert {b.wording for b in make_task_samples(task, "test", 200, seed=0)} == {*seen, *unseen}
 
 
+@pytest.mark.parametrize(
+    ("count", "steps", "message"),
+    [
+        (2.0, None, "count must be an integer >= 0 (samples to make), got 2.0."),  # TypeError inside range()
+        (True, None, "count must be an integer >= 0 (samples to make), got True."),  # one sample
+        (-1, None, "count must be an integer >= 0 (samples to make), got -1."),  # none
+        (2, 0, "steps must be a positive integer (contexts per sample) or None, got 0."),  # no context (dialogue: one)
+        (2, -1, "steps must be a positive integer (contexts per sample) or None, got -1."),
+        (2, 2.5, "steps must be a positive integer (contexts per sample) or None, got 2.5."),  # TypeError
+        (2, True, "steps must be a positive integer (contexts per sample) or None, got True."),  # one context
+    ],
+)
+@pytest.mark.parametrize("task", ["icl", "dialogue"])
+def test_a_count_or_time_step_of_the_wrong_kind_is_refused_naming_it(task, count, steps, message):
+    """`ccm eval` checks its --samples and --steps; make_samples from Python took whatever came."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_samples(task, "test", count, steps=steps)
+
+
 def test_training_never_takes_held_out_wordings():
     for wordings in ("unseen", "all"):
         with pytest.raises(ValueError, match="would train on held-out wordings"):
