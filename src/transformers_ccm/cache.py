@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -45,6 +45,9 @@ from transformers_ccm.memory_file import (
 )
 from transformers_ccm.streaming import KeyRotation, StreamingConfig
 from transformers_ccm.validation import is_index, positive_int
+
+if TYPE_CHECKING:
+    from transformers_ccm.modeling import CCMForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -1562,7 +1565,7 @@ class CompressedMemoryCache(Cache):
         write_memory_file(path, tensors, header)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: CacheSpec | Any) -> CompressedMemoryCache:
+    def load(cls, path: str | os.PathLike[str], model: CCMForCausalLM | CacheSpec) -> CompressedMemoryCache:
         """Read a memory written by `save` for `model` (a `CCMForCausalLM`, or its `cache_spec()`).
 
         Everything is checked before a cache is built: the file's format, that it was made by this base model
