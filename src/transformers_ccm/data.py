@@ -55,7 +55,7 @@ def token_ids(
         if tokenizer is None:
             raise ValueError(f"{where} is a string; {without_tokenizer}.")
         ids = list(tokenizer(tokens, add_special_tokens=False)["input_ids"])
-    elif isinstance(tokens, (bytes, bytearray, memoryview)):
+    elif isinstance(tokens, (bytes, bytearray)):
         # A sequence of ints to Python (and to a type checker, `Sequence[int]`): text read in binary mode was taken
         # for token ids, its byte values, without a word.
         raise ValueError(
