@@ -221,6 +221,20 @@ def test_empty_context_and_nothing_to_fold():
         model.compress(cache, torch.tensor([[5, 6]]), attention_mask=torch.tensor([[0, 0]]))
 
 
+def test_an_attention_mask_without_context_ids_is_refused_not_ignored():
+    """compress(cache, attention_mask=...) folded every row's turn, a row the mask left out (as padding) too."""
+    model = tiny_ccm("llama")
+    cache = model.new_cache(2)
+    model.compress(cache, torch.tensor([[5, 6], [7, 8]]))
+    model.generate(torch.tensor([[5], [6]]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    turn = cache.turn_length
+    with pytest.raises(ValueError, match=r"^compress\(\) got an attention_mask but no context_ids, whose padding"):
+        model.compress(cache, attention_mask=torch.tensor([[1], [0]]))
+    assert (cache.steps.tolist(), cache.turn_length) == ([1, 1], turn)
+    model.compress(cache)
+    assert (cache.steps.tolist(), cache.turn_length) == ([2, 2], 0)
+
+
 def test_wrong_batch_size():
     model = tiny_ccm("llama")
     cache = model.new_cache(2)

@@ -638,7 +638,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
 
         Args:
             context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
-            attention_mask: `(batch, len)`, 0 at padding. A row with no token (and no turn) keeps its memory.
+            attention_mask: `(batch, len)` of `context_ids` (given only with them), 0 at padding. A row with no
+                token (and no turn) keeps its memory.
         """
         _check_is_cache(cache)
         with cache.running("compress()"):  # claimed before the checks: no other call changes it after them
@@ -681,6 +682,12 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         self, cache: CompressedMemoryCache, context_ids: Any, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked context `(batch, len)` and its mask (empty when there is none)."""
+        if context_ids is None and attention_mask is not None:
+            # It marks nothing: every row's turn was folded, a row the mask left out (as padding) too.
+            raise ValueError(
+                "compress() got an attention_mask but no context_ids, whose padding it marks; drop attention_mask to "
+                "fold the turn of every row, or pass the context_ids it belongs to."
+            )
         if context_ids is None:
             empty = torch.zeros(cache.batch_size, 0, dtype=torch.long)
             return empty, empty.bool()
