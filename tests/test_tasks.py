@@ -440,6 +440,27 @@ def test_jsonl_round_trip(tmp_path):
     assert set(first) >= {"contexts", "input", "output"}
 
 
+def test_samples_of_tensor_or_numpy_ids_are_saved_as_their_ids(tmp_path):
+    """An OnlineSample may hold ids as a tensor of shape (n,) or (1, n), or NumPy ids: save_jsonl failed on them with
+    json's "Object of type Tensor is not JSON serializable"."""
+    import numpy as np
+    import torch
+
+    samples = [
+        OnlineSample([torch.tensor([1, 2]), np.array([3])], torch.tensor([[4, 5]]), [np.int64(6)], choices=[[6], "x"]),
+        OnlineSample(["text"], "more", torch.tensor([], dtype=torch.long)),
+    ]
+    save_jsonl(samples, tmp_path / "ids.jsonl")
+    assert load_jsonl(tmp_path / "ids.jsonl") == [
+        OnlineSample([[1, 2], [3]], [4, 5], [6], choices=[[6], "x"]),
+        OnlineSample(["text"], "more", []),
+    ]
+    # A sample that is not one is refused naming it, and the file written before stays.
+    with pytest.raises(ValueError, match=r"^samples\[1\].contexts is a single str; give a list"):
+        save_jsonl([samples[0], OnlineSample("text", [1])], tmp_path / "ids.jsonl")
+    assert len(load_jsonl(tmp_path / "ids.jsonl")) == 2
+
+
 def test_jsonl_with_token_ids(tmp_path):
     (tmp_path / "ids.jsonl").write_text('{"contexts": [[1, 2], [3]], "input": [4], "output": [5]}\n\n')
     assert load_jsonl(tmp_path / "ids.jsonl") == [OnlineSample([[1, 2], [3]], [4], [5])]

@@ -17,7 +17,7 @@ from typing import Any
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from transformers_ccm.chat_template import TurnFormat
-from transformers_ccm.data import OnlineSample
+from transformers_ccm.data import OnlineSample, Tokens, check_sample, sample_entries, token_ids
 from transformers_ccm.files import replace_file
 from transformers_ccm.json_reading import parse_json, read_regular_file
 from transformers_ccm.tasks import dialogue, document, grouping, icl, people, personalization
@@ -192,10 +192,16 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
 
     def write(temporary: str) -> None:
         with open(temporary, "w", encoding="utf-8") as file:
-            for sample in samples:
-                record = {"contexts": list(sample.contexts), "input": sample.input, "output": sample.output}
+            for index, sample in enumerate(samples):
+                where = f"samples[{index}]"
+                check_sample(sample, where)
+                record = {
+                    "contexts": _entries_as_json(sample.contexts, f"{where}.contexts"),
+                    "input": _as_json(sample.input, f"{where}.input"),
+                    "output": None if sample.output is None else _as_json(sample.output, f"{where}.output"),
+                }
                 if sample.choices is not None:
-                    record["choices"] = list(sample.choices)
+                    record["choices"] = _entries_as_json(sample.choices, f"{where}.choices")
                 file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     # A pipe or a device takes a stream; so does /dev/stdout redirected to a file, which a rename would unlink.
@@ -203,6 +209,17 @@ def save_jsonl(samples: Iterable[OnlineSample], path: str | os.PathLike[str]) ->
         write(os.fspath(path))
     else:
         replace_file(path, write)
+
+
+def _as_json(tokens: Tokens, where: str) -> str | list[int]:
+    """A sample's field as a JSONL line holds it: a string, or its token ids as a list (a tensor or NumPy ids, which an
+    `OnlineSample` may hold, failed in `json.dumps` with "Object of type Tensor is not JSON serializable")."""
+    return tokens if isinstance(tokens, str) else token_ids(tokens, None, where, empty_ok=True)
+
+
+def _entries_as_json(entries: object, where: str) -> list[str | list[int]]:
+    """A sample's `contexts` or `choices` (`where`) as a JSONL line holds them."""
+    return [_as_json(entry, f"{where}[{j}]") for j, entry in enumerate(sample_entries(entries, where))]
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[OnlineSample]:
