@@ -578,6 +578,29 @@ def held_out_text_ids():
     return tokenizer, tokenizer(long_text("test"), add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize(
+    ("make", "sizes", "message"),
+    [
+        ("text_streams", {"count": 2.0, "length": 8}, "count must be an integer >= 0 (samples to make), got 2.0."),
+        ("text_streams", {"count": 2, "length": 0}, "length must be a positive integer (tokens or chunks), got 0."),
+        ("stream_samples", {"count": -1}, "count must be an integer >= 0 (samples to make), got -1."),
+        ("stream_samples", {"count": 2, "chunk": 1.5}, "chunk must be a positive integer (tokens or chunks), got 1.5."),
+        ("stream_samples", {"count": 2, "output": -3}, "output must be a positive integer (tokens or chunks), got -3."),
+        (
+            "stream_samples",
+            {"count": 2, "max_chunks": True},
+            "max_chunks must be a positive integer (tokens or chunks), got True.",
+        ),
+    ],
+)
+def test_text_stream_sizes_of_the_wrong_kind_are_refused_naming_them(tokenizer, make, sizes, message):
+    """A float failed inside range() with a bare TypeError; a size of 0 or less cut empty or reversed stretches."""
+    from transformers_ccm.tasks import text
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        getattr(text, make)(tokenizer, "test", **sizes)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     chunk=st.integers(1, 96),

@@ -22,6 +22,7 @@ from pydoc_data.topics import topics
 
 from transformers_ccm.data import OnlineSample, Tokenizer
 from transformers_ccm.tasks.vocabulary import SPLITS, Split, in_test_split
+from transformers_ccm.validation import is_int, positive_int
 
 # Each streaming task names the sources its text is cut from.
 TEXT_TASKS: dict[str, tuple[str, ...]] = {"text": ("reference",), "text-varied": ("reference", "docstrings")}
@@ -95,11 +96,22 @@ def text_streams(
 ) -> list[list[int]]:
     """`count` stretches of `length` consecutive tokens of `long_text(split, sources)`, at random offsets: samples
     for training on the stream itself (`transformers_ccm.stream_training`)."""
+    _check_sizes(count, length=length)
     ids = tokenizer(long_text(split, sources), add_special_tokens=False)["input_ids"]
     if length > len(ids):
         raise ValueError(f"The {split} text has {len(ids)} tokens, fewer than a stream of {length}.")
     rng = random.Random(f"text-stream:{split}:{seed}")
     return [ids[start : start + length] for start in (rng.randrange(len(ids) - length + 1) for _ in range(count))]
+
+
+def _check_sizes(count: int, **sizes: int) -> None:
+    """Refuse a `count` that is no integer >= 0 and `sizes` that are no positive integers, before any text is read:
+    a float failed inside `range()` with a bare TypeError, and a size of 0 or less cut empty or reversed stretches."""
+    if not (is_int(count) and count >= 0):
+        raise ValueError(f"count must be an integer >= 0 (samples to make), got {count!r}.")
+    for name, size in sizes.items():
+        if not positive_int(size):
+            raise ValueError(f"{name} must be a positive integer (tokens or chunks), got {size!r}.")
 
 
 def stream_samples(
@@ -116,6 +128,7 @@ def stream_samples(
     """Samples laid out as a stream sees them: `1..max_chunks` compressed chunks of `chunk` tokens, then up to
     `max_window` tokens kept as they are (the input), then `output` tokens to predict, cut from
     `long_text(split, sources)`."""
+    _check_sizes(count, chunk=chunk, max_chunks=max_chunks, max_window=max_window, output=output)
     ids = tokenizer(long_text(split, sources), add_special_tokens=False)["input_ids"]
     rng = random.Random(f"text:{split}:{seed}")
     samples = []
