@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import functools
+import io
 import json
 import os
 import re
@@ -16,12 +17,12 @@ from transformers import StoppingCriteriaList
 from transformers.utils.quantization_config import GgufConfig
 
 from crafted_files import with_huge_tensor
-from fault_injection import ValuesRead
+from fault_injection import ValuesRead, paused_at
 from test_online import StopAfter
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.cache import CacheSpec
-from transformers_ccm.memory_file import MEMORY_FORMAT, MEMORY_FORMAT_VERSION
+from transformers_ccm.memory_file import MEMORY_FORMAT, MEMORY_FORMAT_VERSION, _check_spans
 
 
 def _filled(model, batch_size=2):
@@ -200,6 +201,29 @@ def test_a_folder_or_a_named_pipe_is_refused_as_no_memory_file(tmp_path):
     os.mkfifo(tmp_path / "pipe")
     with pytest.raises(ValueError, match=r"pipe is not a regular file, not a memory file"):
         CompressedMemoryCache.load(tmp_path / "pipe", model)
+
+
+def test_a_memory_file_written_over_in_place_while_it_loads_is_refused(tmp_path):
+    """A file written in place after its header was checked (here: another adapter's memory, of the same shapes) loaded
+    as a mix: its first 8 KiB as the file read had buffered them, the rest the other adapter's keys/values, under the
+    signature checked. The data is read again from the disk and must begin with the header checked."""
+    model = tiny_ccm("llama")
+    other = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig()), seed=7)
+    path, foreign = tmp_path / "user.safetensors", tmp_path / "other.safetensors"
+    _filled(model, 8).save(path)
+    _filled(other, 8).save(foreign)
+    before = path.read_bytes()
+    assert len(before) > io.DEFAULT_BUFFER_SIZE  # more than a buffered read takes at once
+    spec = _spec(model)
+    load = paused_at(_check_spans.__code__, lambda: CompressedMemoryCache.load(path, spec))
+    # In place (not replaced, as save() does): the load's open file reads the new bytes.
+    with load as got, open(path, "r+b") as file:
+        file.write(foreign.read_bytes())
+        file.truncate()
+    assert got["outcome"] == ("error", (ValueError, f"{path} changed while it was read; load it again."))
+    path.write_bytes(before)  # the file as it was loads
+    loaded = CompressedMemoryCache.load(path, spec)
+    assert torch.equal(loaded.layers[0].keys, _filled(model, 8).layers[0].keys)
 
 
 def test_cache_used_with_another_model_fails():

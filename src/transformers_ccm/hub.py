@@ -362,7 +362,7 @@ def _read_weights(path: Path) -> bytes:
         raise_if_short_of(error, path)
         raise
     with opened as file:
-        _, declared, _ = safetensors_header(
+        _, declared, _, _ = safetensors_header(
             file, f"{path.parent} has a corrupt adapter file ({path.name})", "save or download the adapter again."
         )
         if COMP_EMBEDDINGS_KEY not in declared:

@@ -74,16 +74,23 @@ def read_memory_file(path: str | os.PathLike[str], spec: CacheSpec) -> MemoryFil
         kind = "a folder" if os.path.isdir(path) else "not a regular file"
         raise ValueError(f"{path} is {kind}, not a memory file; give the file that cache.save() wrote.")
     try:
-        with open(path, "rb") as file:
+        # Unbuffered: a buffered file read again from its start gave the bytes it had buffered (its first 8 KiB, the
+        # header among them) and the rest from the disk, so a file written over meanwhile loaded as a mix of two.
+        with open(path, "rb", buffering=0) as file:
             # The header first (signature, names, dtypes, shapes): a file of another model, or one that declares
             # tensors of any other size, is refused before any of its data is read or mapped.
-            metadata, declared, spans = safetensors_header(
+            metadata, declared, spans, header = safetensors_header(
                 file, f"{path} is not a readable safetensors memory file", "save the memory again."
             )
             content = MemoryFile(path, metadata, declared, spec)
             _check_spans(declared, spans, path)
             file.seek(0)
-            tensors = load(file.read())  # the bytes the header was read from, not the file again
+            data = file.read()
+            # Written in place since its header was checked (another model's memory of the same shapes, say): the data
+            # read now is not the file whose signature and layout were checked.
+            if not data.startswith(header):
+                raise ValueError(f"{path} changed while it was read; load it again.")
+            tensors = load(data)
     except (FileNotFoundError, NotADirectoryError):  # the latter: a file where the path has a folder
         raise FileNotFoundError(f"No memory file at {path}.") from None
     except MemoryError as error:
@@ -155,10 +162,8 @@ class MemoryFile:
 
     def read(self, tensors: dict[str, torch.Tensor]) -> None:
         """Check the values of `tensors`, the file's tensors as `__init__` checked them declared."""
-        declared, self.tensors = self.tensors, tensors
-        if {name: DeclaredTensor(tensor.dtype, tensor.shape) for name, tensor in tensors.items()} != declared:
-            # Written in place between the header's checks and the read of the data.
-            raise ValueError(f"{self.path} changed while it was read; load it again.")
+        # The same header as checked (`read_memory_file`), so the tensors are those it declares.
+        self.tensors = tensors
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise self._fail(f"'{name}' holds values that are not finite")

@@ -46,11 +46,12 @@ class DeclaredTensor(NamedTuple):
 
 def safetensors_header(
     file: BinaryIO, unreadable: str, fix: str
-) -> tuple[dict[str, str], dict[str, DeclaredTensor], dict[str, tuple[int, int]]]:
+) -> tuple[dict[str, str], dict[str, DeclaredTensor], dict[str, tuple[int, int]], bytes]:
     """The metadata, the declared tensors and the byte range of each tensor's data (from the data's start) of the
-    safetensors file open as `file`, read from its header only. The ranges are checked to cover the file's data
-    exactly, in order, as safetensors checks them only once the whole file is read. A problem raises a ValueError that
-    begins with `unreadable` (what the file is not); `fix` ends one of a header that is no JSON."""
+    safetensors file open as `file`, read from its header only, and the bytes they were read from (the length and the
+    header), with which a later read of the file must begin to be the file checked. The ranges are checked to cover
+    the file's data exactly, in order, as safetensors checks them only once the whole file is read. A problem raises a
+    ValueError that begins with `unreadable` (what the file is not); `fix` ends one of a header that is no JSON."""
     file_bytes = os.fstat(file.fileno()).st_size
     prefix = file.read(8)
     size = int.from_bytes(prefix, "little")
@@ -58,7 +59,8 @@ def safetensors_header(
         raise ValueError(f"{unreadable} (it begins with no safetensors header length: {size} bytes).")
     if 8 + size > file_bytes:
         raise ValueError(f"{unreadable} (its header of {size} bytes passes the end of the file, {file_bytes} bytes).")
-    header = parse_json_object(file.read(size), f"{unreadable}: its header", fix)
+    text = file.read(size)
+    header = parse_json_object(text, f"{unreadable}: its header", fix)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
         raise ValueError(f"{unreadable} (its metadata is not a map of strings).")
@@ -82,7 +84,7 @@ def safetensors_header(
         raise ValueError(
             f"{unreadable} (its header declares {end} bytes of data, the file holds {file_bytes - 8 - size})."
         )
-    return metadata, declared, spans
+    return metadata, declared, spans, prefix + text
 
 
 def _byte_range(offsets: Any) -> tuple[int, int]:
