@@ -575,6 +575,33 @@ CRAFTED_STREAMS = {
         {"metadata": _header_edit(_compressed_tokens_kept_by_the_paper_s_schedule)},
         r"its window holds \[1, 1\] tokens already compressed, more than this stream leaves there \(\[0, 0\]\)",
     ),
+    # Lengths within the keys held, past the stream's sizes: a window token taken for a sink one, a window of 9 of 8.
+    "a sink longer than its size": (
+        {"metadata": _header_edit(lambda h: h["streaming"]["state"].update(sink_length=3, window_length=7))},
+        r"its streaming lengths \{'sink_length': 3, .* exceed the sizes \{",
+    ),
+    "a window longer than its size": (
+        {
+            "tensors": lambda tensors: {
+                name: torch.cat([tensor, tensor[:, :, -1:]], dim=2) if name.startswith("layers.") else tensor
+                for name, tensor in tensors.items()
+            },
+            "metadata": _header_edit(lambda h: h["streaming"]["state"].update(window_length=9)),
+        },
+        r"its streaming lengths \{.*'window_length': 9, .* exceed the sizes \{",
+    ),
+    # Loaded, then counted the stream's tokens in halves (or backwards, or failed at the next forward as text).
+    **{
+        f"a {what} that is {kind}": (
+            {"metadata": _header_edit(lambda h, what=what, value=value: h["streaming"]["state"].update({what: value}))},
+            rf"its streaming lengths \{{.*'{what}': {re.escape(repr(value))}.*\}} are not integers >= 0",
+        )
+        for what, kind, value in [
+            ("turn_tokens", "no integer", 1.5),
+            ("turn_tokens", "text", "16"),
+            ("compressed_in_window", "negative", -1),
+        ]
+    },
     "a window before the sink is full": (
         {
             "tensors": _without_sink,
