@@ -359,6 +359,10 @@ CRAFTED = {
         "('steps' [4611686018427387904, 2]) cannot give",
     ),
     "no positions": ({"tensors": _without("next_position")}, "'next_position' must be a non-empty 1-D tensor"),
+    "no user": (
+        {"tensors": lambda tensors: {name: tensor[:0] for name, tensor in tensors.items()}},
+        "'next_position' must be a non-empty 1-D tensor",
+    ),
     "a header that is not JSON": (
         {"metadata": lambda header: {MEMORY_FORMAT: "{nope"}},
         "its header is not valid JSON",
@@ -719,13 +723,53 @@ def test_crafted_lengths_of_a_stream_s_rows_are_refused(tmp_path, case):
         CompressedMemoryCache.load(path, model)
 
 
-def test_merge_memory_with_too_many_slots_is_refused(tmp_path):
-    model = tiny_ccm("llama", update="merge")
+def _one_more_slot(tensors):
+    """A memory's tensors with one more memory slot, owned by no row."""
+    tensors = {**tensors, "memory_mask": torch.cat([tensors["memory_mask"], tensors["memory_mask"][:, :1] & False], 1)}
+    return {
+        name: torch.cat([tensor, tensor[:, :, :1] * 0], dim=2) if name.startswith("layers.") else tensor
+        for name, tensor in tensors.items()
+    }
+
+
+def _one_empty_slot(tensors):
+    """A memory's tensors as a memory of one slot, owned by no row, that folded nothing."""
+    tensors = {**tensors, "memory_mask": tensors["memory_mask"][:, :1] & False, "steps": tensors["steps"] * 0}
+    return {
+        name: tensor[:, :, :1].contiguous() if name.startswith("layers.") else tensor
+        for name, tensor in tensors.items()
+    }
+
+
+WIDE_MEMORIES = {
+    "merge of 5 slots": (
+        {"update": "merge"},
+        lambda tensors: {
+            **tensors,
+            **{f"layers.{i}.{name}": torch.zeros(2, 2, 5, 8) for i in range(2) for name in ("keys", "values")},
+            "memory_mask": torch.ones(2, 5, dtype=torch.bool),
+        },
+        r"holds 5 memory slots, more than this adapter's memory can \(2\)",
+    ),
+    # A slot that no row owns: within the rows' counts, past the memory's width.
+    "concat capped at 3, of 4 slots": (
+        {"max_memory_tokens": 3},
+        _one_more_slot,
+        r"holds 4 memory slots, more than this adapter's memory can \(3\)",
+    ),
+    "merge of 1 slot": ({"update": "merge"}, _one_empty_slot, r"holds 1 memory slots, where merge memory holds 0 or 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WIDE_MEMORIES))
+def test_memory_wider_than_its_adapter_s_is_refused(tmp_path, case):
+    settings_, edit, message = WIDE_MEMORIES[case]
+    model = tiny_ccm("llama", **settings_)
     path = tmp_path / "user.safetensors"
     _filled(model).save(path)
-    wide = {f"layers.{i}.{name}": torch.zeros(2, 2, 5, 8) for i in range(2) for name in ("keys", "values")}
-    _rewrite(path, tensors=lambda tensors: {**tensors, **wide, "memory_mask": torch.ones(2, 5, dtype=torch.bool)})
-    with pytest.raises(ValueError, match=r"holds 5 memory slots, more than this adapter's memory can \(2\)"):
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    _rewrite(path, tensors=edit)
+    with pytest.raises(ValueError, match=message):
         CompressedMemoryCache.load(path, model)
 
 

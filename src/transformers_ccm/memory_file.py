@@ -252,9 +252,14 @@ class MemoryFile:
         # Written only for a memory that was re-based (files before it never are).
         if "rebased" in self.tensors:
             self._check_tensor("rebased", torch.long, (batch,))
-        most = self._most_slots
-        if width > most or (self.spec.config.update != "concat" and width not in (0, self.spec.config.num_comp_tokens)):
+        most, config = self._most_slots, self.spec.config
+        if width > most:
             raise self._fail(f"it holds {width} memory slots, more than this adapter's memory can ({most})")
+        if config.update != "concat" and width not in (0, config.num_comp_tokens):
+            # The average is one block of `<COMP>` slots (said to be "more than" it, a slot fewer was not).
+            raise self._fail(
+                f"it holds {width} memory slots, where {config.update} memory holds 0 or {config.num_comp_tokens}"
+            )
 
     @property
     def _most_slots(self) -> int:
@@ -282,9 +287,6 @@ class MemoryFile:
                 f"its rows have taken in {history.tolist()} tokens ('next_position' + 'rebased'), more than any memory "
                 f"does ({MOST_HISTORY_TOKENS})"
             )
-        most = self._most_slots
-        if bool((mask.sum(dim=1) > most).any()):
-            raise self._fail(f"a row owns more than {most} memory slots")
         if self.streaming is None:
             self._check_folds(mask, positions, steps)
         else:
