@@ -173,6 +173,12 @@ def test_a_memory_of_weights_read_from_a_gguf_file_loads_into_the_same_weights_r
         loaded = CompressedMemoryCache.load(path, reader)
         for made, read in zip(cache.layers, loaded.layers, strict=True):
             assert torch.equal(made.keys, read.keys) and torch.equal(made.values, read.values)
+    # A file that recorded the GGUF file the weights were read from (as every memory of the default model did before
+    # its converted copy was kept) loads into them read either way.
+    gguf = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf"}
+    _rewrite(path, metadata=_header_edit(lambda h: h["signature"]["base_config"].update(quantization_config=gguf)))
+    for reader in (plain, from_gguf):
+        CompressedMemoryCache.load(path, reader)
     from_gguf.base_model.config.quantization_config = {"quant_method": "awq", "bits": 4}
     refused = r"base_config\.quantization_config: file None vs model \{'bits': 4, 'quant_method': 'awq'\}"
     with pytest.raises(ValueError, match=refused):
