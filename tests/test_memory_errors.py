@@ -446,6 +446,20 @@ def test_a_memory_that_is_not_its_float32_average_is_refused(tmp_path, kind):
         CompressedMemoryCache.load(path, model)
 
 
+def test_a_half_precision_merge_stream_whose_rows_did_not_all_compress_loads_back(tmp_path):
+    """A row without memory keeps no average (zeros in the file), beside a row that compressed a chunk: the check that
+    memory is its float32 average must pass it by, or the stream saved never loads."""
+    model = copy.deepcopy(tiny_ccm("llama", update="merge")).to(torch.bfloat16)
+    stream = model.new_cache(2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4))
+    model(input_ids=torch.tensor([list(range(3, 9))] * 2), past_key_values=stream)
+    stopping = StoppingCriteriaList([StopAfter([1, None], 2)])  # the first row's reply ends first
+    model.generate(torch.tensor([[20, 21]] * 2), past_key_values=stream, max_new_tokens=6, stopping_criteria=stopping)
+    assert stream.stream_lengths[:, 1].tolist() == [0, 2]  # memory in the second row only
+    stream.save(tmp_path / "stream.safetensors")
+    loaded = CompressedMemoryCache.load(tmp_path / "stream.safetensors", model)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(stream.layers, loaded.layers, strict=True))
+
+
 STREAM_HEADERS = {
     "a cap that is no integer": ({"max_memory_tokens": 4.5}, "max_memory_tokens must be a positive integer, got 4.5"),
     "a switch that is no bool": ({"compress": "no"}, "compress must be True or False, got 'no'"),
