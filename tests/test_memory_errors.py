@@ -657,6 +657,21 @@ def test_crafted_streams_are_refused_with_a_value_error_that_names_the_problem(t
         CompressedMemoryCache.load(path, model)
 
 
+def test_a_stream_that_never_compresses_yet_counts_compressions_is_refused(tmp_path):
+    """A StreamingLLM stream (compress=False) holds no memory and compresses nothing: a file that counts compressed
+    chunks was loaded as it was."""
+    model = tiny_ccm("llama")
+    stream = model.new_cache(2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress=False))
+    model(input_ids=torch.tensor([list(range(3, 19))] * 2), past_key_values=stream)
+    path = tmp_path / "stream.safetensors"
+    stream.save(path)
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    _rewrite(path, tensors=_with("steps", torch.tensor([1, 0])))
+    refused = re.escape("own [0, 0] of 0 memory slots, which the chunks they compressed ('steps' [1, 0]) cannot give")
+    with pytest.raises(ValueError, match=refused):
+        CompressedMemoryCache.load(path, model)
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("update", ["concat", "merge", "ema"])
 def test_a_count_of_folds_stays_within_the_bound(tmp_path, update, streaming):

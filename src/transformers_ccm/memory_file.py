@@ -361,8 +361,6 @@ class MemoryFile:
             expected = (steps.clamp(max=width + 1) * n).clamp(max=streaming.max_memory_tokens)
         else:
             expected = (steps > 0).long() * n
-        if not streaming.compress:
-            expected = torch.zeros_like(expected)
         owned = mask.sum(dim=1)
         if not torch.equal(owned, expected) or width != int(expected.max()):
             raise self._fail(
