@@ -1143,6 +1143,33 @@ def test_crafted_data_offsets_are_refused_from_the_header(tmp_path, edit, messag
         CompressedMemoryCache.load(path, model)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda header: header["__metadata__"].update({MEMORY_FORMAT: 3}),
+        lambda header: header.update(__metadata__=[MEMORY_FORMAT]),
+    ],
+    ids=["a value that is no text", "a list"],
+)
+def test_safetensors_metadata_that_is_no_map_of_strings_is_refused(tmp_path, edit):
+    """safetensors' metadata maps names to strings: anything else failed inside the reading of the memory's header."""
+    model, path, _ = _saved_memory_with_header(tmp_path, edit)
+    refused = re.escape("is not a readable safetensors memory file (its metadata is not a map of strings)")
+    with pytest.raises(ValueError, match=refused):
+        CompressedMemoryCache.load(path, model)
+
+
+def test_a_header_longer_than_safetensors_writes_is_refused_before_it_is_read(tmp_path):
+    """A header of more than 100 MB is none that safetensors wrote, and reading it would take that memory: the file
+    (a hole, taking no disk) is refused from its first 8 bytes."""
+    path, size = tmp_path / "huge.safetensors", 100_000_001
+    with open(path, "wb") as file:
+        file.write(size.to_bytes(8, "little"))
+        file.truncate(8 + size + 8)
+    with pytest.raises(ValueError, match=re.escape(f"begins with no safetensors header length: {size} bytes")):
+        CompressedMemoryCache.load(path, tiny_ccm("llama"))
+
+
 def _saved_memory_with_header(tmp_path, edit):
     """A tiny Llama's saved memory of two rows, its safetensors header changed in place by `edit(header)`: the model,
     the file and the header written."""
