@@ -758,6 +758,27 @@ def test_crafted_lengths_of_a_stream_s_rows_are_refused(tmp_path, case):
         CompressedMemoryCache.load(path, model)
 
 
+def test_a_row_whose_window_holds_fewer_tokens_than_it_counts_compressed_is_refused(tmp_path):
+    """Each row's window tokens already compressed (`keep_window_full`) are among those it holds: a row counting more
+    loaded, and its next forward evicted tokens it did not hold."""
+    model = tiny_ccm("llama")
+    stream = model.new_cache(
+        2, streaming=StreamingConfig(sink_tokens=2, window_tokens=8, compress_chunk=4, max_memory_tokens=4)
+    )
+    model(input_ids=torch.tensor([list(range(3, 17))] * 2), past_key_values=stream)
+    stopping = StoppingCriteriaList([StopAfter([1, None], 2)])  # rows of different lengths: each row's are saved
+    model.generate(torch.tensor([[20, 21]] * 2), past_key_values=stream, max_new_tokens=3, stopping_criteria=stopping)
+    assert stream.stream_lengths.tolist() == [[2, 4, 8, 1], [2, 4, 8, 3]]
+    path = tmp_path / "stream.safetensors"
+    stream.save(path)
+    CompressedMemoryCache.load(path, model)  # as saved, it loads
+    _rewrite(path, tensors=_lengths_edit(_set(0, 2, 2)))  # the first row's window: 2 tokens, 1 compressed
+    CompressedMemoryCache.load(path, model)
+    _rewrite(path, tensors=_lengths_edit(_set(0, 3, 3)))  # 3 compressed
+    with pytest.raises(ValueError, match=re.escape("compressed, more than the [2, 8] tokens it holds")):
+        CompressedMemoryCache.load(path, model)
+
+
 def _one_more_slot(tensors):
     """A memory's tensors with one more memory slot, owned by no row."""
     tensors = {**tensors, "memory_mask": torch.cat([tensors["memory_mask"], tensors["memory_mask"][:, :1] & False], 1)}
