@@ -1639,6 +1639,9 @@ def test_a_gpt2_input_past_its_positions_is_refused_naming_the_position_it_would
     prompt=st.integers(1, 6),
     new=st.integers(1, 30),
 )
+# The bound itself: the fold's last <COMP> token at position 511 (the last), or at 512.
+@example(memory=[500], prompt=6, new=4)
+@example(memory=[500], prompt=6, new=5)
 def test_a_gpt2_reply_that_would_pass_its_positions_is_refused_before_generating(
     memory: list[int], prompt: int, new: int
 ) -> None:
