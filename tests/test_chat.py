@@ -560,8 +560,10 @@ def test_a_message_the_tokenizer_reads_as_no_token_is_refused(conversation):
 def test_tokens_added_to_the_tokenizer_past_the_models_embeddings_are_refused(tokenizer, chat_model, conversation):
     """A token added to the tokenizer without resizing the model's embeddings failed inside the embedding: for
     FullContextChat with an IndexError at every message holding it (on a GPU, a device-side assert). The message is
-    refused naming the id, the conversation as it was."""
+    refused naming the id, the conversation as it was. A conversation made before the token was added left a copy of
+    the tokenizer without it, which a later conversation must not encode with."""
     added = copy.deepcopy(tokenizer)
+    conversation(chat_model, added, max_new_tokens=2)
     added.add_tokens(["zzqx"])
     chat = conversation(chat_model, added, max_new_tokens=2)
     with pytest.raises(ValueError, match=rf"This turn .* holds the token id {len(tokenizer)}, outside the model's"):
