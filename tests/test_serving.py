@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from fault_injection import assert_same, snapshot
+from fault_injection import assert_same, paused_at, snapshot
 from test_online import Collect
 from tiny_models import (
     VOCAB,
@@ -602,6 +602,25 @@ def test_a_cache_given_to_the_wrapped_base_model_itself_is_refused_and_left_as_i
             handle.remove()
     assert_same(snapshot(cache), before, "the cache after the refused call")
     assert torch.equal(CALLS["generate"](owner, cache), CALLS["generate"](owner, untouched))
+
+
+def test_a_cache_given_to_the_base_model_in_another_thread_while_a_call_runs_on_it_is_refused():
+    """The check that a model call holds the cache asked that one runs, not that it is the calling thread's: the base
+    model given the cache in another thread while compress() ran on it wrote its tokens into that call's turn."""
+    model = tiny_ccm("llama")
+    cache, alone = _filled(model), _filled(model)
+    CALLS["compress"](model, alone)
+
+    def held() -> list[object]:  # what the cache holds now (claimed, so no snapshot): it replaces, never changes them
+        return [cache.rows, *(value for layer in cache.layers for value in layer.__dict__.values())]
+
+    with paused_at(CompressedMemoryCache.fold.__code__, lambda: CALLS["compress"](model, cache)) as compressing:
+        before = held()
+        with pytest.raises(ValueError, match=r"given to the wrapped base model .* Give it to the CCMForCausalLM"):
+            PLAIN_MODEL_CALLS["forward"](model.base_model, cache)
+        assert all(now is then for now, then in zip(held(), before, strict=True))
+    assert compressing["outcome"] == ("result", None)
+    assert_same(snapshot(cache), snapshot(alone), "the cache after the call")
 
 
 def _step_the_adapter(model: CCMForCausalLM, _) -> None:
