@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from fault_injection import paused_at
 from tiny_models import (
     InjectedFailure,
     fail_in_layer,
@@ -174,6 +175,17 @@ def test_full_context_chat_reads_the_whole_conversation(tokenizer, conditional_l
 @pytest.fixture(scope="module")
 def chat_model(tokenizer):
     return randomize_adapter(CCMForCausalLM.from_base(tiny_llama_for(tokenizer), CCMConfig(update="merge")))
+
+
+def test_a_session_refuses_a_memory_that_a_call_in_another_thread_is_running_on(tokenizer, chat_model):
+    """A session is one user's conversation: it is not started on a cache in the middle of another thread's call (its
+    checks would read the cache half updated)."""
+    cache = chat_model.new_cache(1)
+    compressing = paused_at(CompressedMemoryCache.fold.__code__, lambda: chat_model.compress(cache, [[5, 6, 7]]))
+    with compressing as compressed, pytest.raises(ValueError, match="in use by a call in another thread"):
+        ChatSession(chat_model, tokenizer, cache)
+    assert compressed["outcome"] == ("result", None)
+    ChatSession(chat_model, tokenizer, cache)  # once it returned
 
 
 @pytest.mark.parametrize("conversation", [ChatSession, FullContextChat])
