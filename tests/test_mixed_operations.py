@@ -7,9 +7,11 @@ import copy
 
 import pytest
 import torch
+from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from fault_injection import assert_same, snapshot
+from test_online import StopAfter
 from tiny_models import randomize_adapter, tiny_base, tiny_ccm, tiny_full_context_baseline
 from transformers_ccm import CCMConfig, CCMForCausalLM, CompressedMemoryCache, StreamingConfig
 from transformers_ccm.wrapping import CACHE_ARGUMENT
@@ -179,3 +181,32 @@ def test_an_online_forward_under_activation_checkpointing_is_refused_before_it_c
     model.eval()  # no dropout, so that the logits are those of the model before
     with torch.no_grad():
         assert torch.equal(model(input_ids=torch.tensor([[8, 9]]), past_key_values=cache).logits, expected)
+
+
+def test_a_copy_of_a_stream_taken_during_its_generate_takes_every_token_of_a_later_forward():
+    """A stream's generate() stops taking tokens of a row once its reply ended (`row_ends`): a copy taken meanwhile (by
+    a streamer) kept that, and a later forward on the copy dropped every token of the row whose reply had ended."""
+    model = tiny_ccm("llama")
+    stream = model.new_cache(2, streaming=SMALL_STREAM)
+    model(input_ids=torch.tensor([list(range(3, 7))] * 2), past_key_values=stream)
+    copies = []
+
+    class CopyAtEachToken(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            copies.append(stream.copy())
+
+        def end(self) -> None:
+            pass
+
+    stopping = StoppingCriteriaList([StopAfter([1, None], 2)])  # the first row's reply ends first
+    model.generate(
+        torch.tensor([[20, 21]] * 2),
+        past_key_values=stream,
+        max_new_tokens=4,
+        stopping_criteria=stopping,
+        streamer=CopyAtEachToken(),
+    )
+    taken = copies[3]  # the prompt, then three tokens: the first row's reply has ended
+    before = taken.history_tokens.tolist()
+    model(input_ids=torch.tensor([[30, 31, 32]] * 2), past_key_values=taken)
+    assert taken.history_tokens.tolist() == [count + 3 for count in before]
