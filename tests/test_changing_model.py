@@ -92,6 +92,21 @@ MODE_CHANGES: dict[str, tuple[bool, list[Callable[[CCMForCausalLM], Any]]]] = {
 }
 
 
+def test_a_cast_in_another_thread_that_fails_the_running_call_is_named_as_what_failed_it():
+    """The model cast to float64 while compress() ran: its attention then failed with torch's dtype mismatch, which said
+    nothing of the cast. The failure names the change, and the cache is left as it was."""
+    model = _model()
+    cache = _cache(model, streaming=False)
+    before = snapshot(cache)
+    compress = functools.partial(model.compress, cache, torch.tensor([[5, 6], [7, 8]]))
+    with paused_at(CompressedMemoryCache.take_pending.__code__, compress) as compressing:
+        model.to(torch.float64)
+    assert compressing["outcome"][0] == "error"
+    kind, message = compressing["outcome"][1]
+    assert kind is ValueError and message.startswith("The model changed while compress() ran (load_adapter, ")
+    assert_same(snapshot(cache), before)
+
+
 @settings(max_examples=24, deadline=None)
 @given(
     call=st.sampled_from(sorted(CALLS)),
