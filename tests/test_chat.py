@@ -707,3 +707,20 @@ def test_an_interrupt_while_the_reply_is_decoded_keeps_the_conversation(tokenize
         for kept, before in zip(failing.cache.layers, history.layers, strict=True):
             assert torch.equal(kept.keys, before.keys) and torch.equal(kept.values, before.values)
     assert failing.turn("What is my name?") == clean.turn("What is my name?")
+
+
+def test_a_reply_that_ends_with_the_end_of_turn_is_closed_once():
+    """The end of turn the model writes ends the reply, and the turn is closed as the template closes it: the closing
+    is not added after it again."""
+    for step in range(1, 5):
+        built = _model_writing_end_of_text(None, ("<|im_end|>",), step, "Hi! I'm Maria.")
+        if built is not None:
+            break
+    assert built is not None
+    tokenizer, models = built
+    chat = FullContextChat(models[FullContextChat][0], tokenizer, max_new_tokens=step + 4)
+    prompt = chat.prompt_ids("Hi! I'm Maria.")
+    chat.turn("Hi! I'm Maria.")
+    exchange = chat.history[len(prompt) :]
+    assert len(exchange) == step + 2  # the reply's `step` tokens, then "<|im_end|>" and "\n"
+    assert tokenizer.decode(exchange[step:]) == "<|im_end|>\n"
