@@ -55,6 +55,8 @@ INVALID = [
     ({"max_memory_tokens": 2**63}, "max_memory_tokens", "< 2**63 (None for no cap)"),
     ({"r": -1}, "r", "positive integer"),
     ({"lora_alpha": float("inf")}, "lora_alpha", "positive finite number"),  # its LoRA gave NaN everywhere
+    # Past float's range: the LoRA scaling alpha / r raised an OverflowError inside the wrapping of the model.
+    ({"lora_alpha": 10**400}, "lora_alpha", "positive finite number"),
     ({"lora_dropout": 1.0}, "lora_dropout", "[0, 1)"),
     ({"conditional_lora": "yes"}, "conditional_lora", "True or False"),
     ({"target_modules": []}, "target_modules", "non-empty list"),
