@@ -337,8 +337,11 @@ def test_generate_after_a_long_prompt_continues_the_stream():
         torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("new_tokens", [3_000, pytest.param(10_000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("update", ["concat", "merge"])
-def test_ten_thousand_generated_tokens_stay_within_160_positions(update):
+def test_thousands_of_generated_tokens_stay_within_160_positions(update, new_tokens):
+    """Far past the window and the tiny model's 512 positions: 3,000 tokens (44 compressions) by default, 10,000 with
+    the slow tests."""
     model = tiny_ccm("llama", num_comp_tokens=2, update=update)
     config = StreamingConfig()  # the paper's sizes: 4 sink + 8 memory + 148 window = 160
     budget = config.max_kv_length(model.config)
@@ -355,19 +358,19 @@ def test_ten_thousand_generated_tokens_stay_within_160_positions(update):
         model.generate(
             torch.randint(3, VOCAB, (2, 5)),
             past_key_values=cache,
-            max_new_tokens=10_000,
-            min_new_tokens=10_000,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
         )
     finally:
         hook.remove()
-    assert cache.turn_tokens == 10_005
+    assert cache.turn_tokens == new_tokens + 5
     assert max(held) <= budget
     assert max(held) >= budget - config.compress_chunk  # it really streams at the budget
     assert min(held[1000:]) == budget  # keep_window_full (the default): the budget stays full
     per_position = sizes[-1] // cache.kv_length
     assert max(sizes) <= budget * per_position  # nothing grows beyond the budget's tensors
-    assert int(cache.steps[0]) >= (10_005 - budget) // config.compress_chunk
+    assert int(cache.steps[0]) >= (new_tokens + 5 - budget) // config.compress_chunk
 
 
 def test_batched_streams_are_independent():
