@@ -29,6 +29,13 @@ def positive_int(value: object) -> bool:
     return is_int(value) and value > 0  # type: ignore[operator]
 
 
+def check_sample_count(count: object) -> None:
+    """Raise a ValueError unless `count`, the number of samples a task maker is asked for, is an integer >= 0 (a float
+    failed inside `range()` with a bare TypeError)."""
+    if not (is_int(count) and count >= 0):  # type: ignore[operator]
+        raise ValueError(f"count must be an integer >= 0 (samples to make), got {count!r}.")
+
+
 def number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

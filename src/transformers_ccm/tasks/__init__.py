@@ -31,7 +31,7 @@ from transformers_ccm.tasks.wordings import (
     check_wording_set,
     select,
 )
-from transformers_ccm.validation import is_int, positive_int
+from transformers_ccm.validation import check_sample_count, positive_int
 
 # (rng, split, time steps, wording, the turns chat wordings are written in) -> a sample and its items
 Generator = Callable[[random.Random, Split, int, Any, TurnFormat], Built]
@@ -142,8 +142,7 @@ def make_task_samples(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
     # `ccm eval --steps` refuses these; from Python a float failed inside `range` with a bare TypeError, and 0 or -1
     # gave samples of no context (of one, for dialogue) rather than the time step asked for.
-    if not (is_int(count) and count >= 0):
-        raise ValueError(f"count must be an integer >= 0 (samples to make), got {count!r}.")
+    check_sample_count(count)
     if steps is not None and not positive_int(steps):
         raise ValueError(f"steps must be a positive integer (contexts per sample) or None, got {steps!r}.")
     which = check_wording_set(split, wordings)

@@ -22,7 +22,7 @@ from pydoc_data.topics import topics
 
 from transformers_ccm.data import OnlineSample, Tokenizer
 from transformers_ccm.tasks.vocabulary import SPLITS, Split, in_test_split
-from transformers_ccm.validation import is_int, positive_int
+from transformers_ccm.validation import check_sample_count, positive_int
 
 # Each streaming task names the sources its text is cut from.
 TEXT_TASKS: dict[str, tuple[str, ...]] = {"text": ("reference",), "text-varied": ("reference", "docstrings")}
@@ -107,8 +107,7 @@ def text_streams(
 def _check_sizes(count: int, **sizes: int) -> None:
     """Refuse a `count` that is no integer >= 0 and `sizes` that are no positive integers, before any text is read:
     a float failed inside `range()` with a bare TypeError, and a size of 0 or less cut empty or reversed stretches."""
-    if not (is_int(count) and count >= 0):
-        raise ValueError(f"count must be an integer >= 0 (samples to make), got {count!r}.")
+    check_sample_count(count)
     for name, size in sizes.items():
         if not positive_int(size):
             raise ValueError(f"{name} must be a positive integer (tokens or chunks), got {size!r}.")
