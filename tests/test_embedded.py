@@ -56,6 +56,7 @@ def _tokenizes_as(tokenizer, reference) -> None:
     )
 
 
+@pytest.mark.slow  # reads the 98 MB GGUF file twice (about 40 s); the copy's manifest digests hold it between runs
 def test_the_converted_model_and_tokenizer_are_the_gguf_ones_bit_for_bit():
     """What a load reads from the converted copy (the session's) is what transformers reads from the GGUF file."""
     folder = embedded_model_folder()
