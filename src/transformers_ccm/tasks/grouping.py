@@ -137,6 +137,16 @@ def group_names(rng: random.Random, split: Split, kinds: list[str]) -> tuple[lis
     return [rng.choice(CATEGORY_NOUNS[kind]) for kind in kinds], []
 
 
+def _unambiguous(drawn: str, pool: list[str], ambiguous: set[str]) -> str:
+    """`drawn`, or where it could be read two ways (the state Virginia in a group named Virginia; Jordan, a woman's
+    name, a man's and a country), another item of `pool`: drawn by a generator of its own, so that every other
+    sample of a seed stays as it was."""
+    others = [w for w in pool if w not in ambiguous]
+    if drawn not in ambiguous or not others:
+        return drawn
+    return random.Random(f"{drawn}:{len(pool)}").choice(others)
+
+
 def grouping_sample(
     rng: random.Random, split: Split, steps: int, wording: GroupingWording, chat: TurnFormat = CHATML_FORMAT
 ) -> Built:
@@ -147,15 +157,18 @@ def grouping_sample(
     demonstration = in_chat_format(wording.frame(rng), chat)
     kinds = rng.sample(ITEM_KINDS, rng.randint(2, 4))
     names, named_items = group_names(rng, split, kinds)
+    # An item of two of the sample's kinds, or named like a group, would belong to two groups.
+    ambiguous = [{*names, *(w for other in kinds if other != kind for w in words(other, split))} for kind in kinds]
     asked_kind = rng.randrange(len(kinds))
-    asked = rng.choice(words(kinds[asked_kind], split))
+    asked_pool = words(kinds[asked_kind], split)
+    asked = _unambiguous(rng.choice(asked_pool), asked_pool, ambiguous[asked_kind])
     pools = [[w for w in words(kind, split) if w != asked] for kind in kinds]
     used: list[str] = []
 
     def item(kind: int) -> str:
         pool = pools[kind]
         fresh = [w for w in pool if w not in used]
-        chosen = rng.choice(fresh or pool)
+        chosen = _unambiguous(rng.choice(fresh or pool), fresh or pool, ambiguous[kind])
         if chosen not in used:
             used.append(chosen)
         return chosen
