@@ -10,6 +10,7 @@ import runpy
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 from statistics import NormalDist
 from unittest.mock import patch
@@ -320,6 +321,17 @@ def test_a_choice_listed_twice_is_refused(ccm, tokenizer, method):
     twice = OnlineSample([[5, 6]], [7], [8, 9], choices=[[8, 9], [10], [8, 9]])
     with pytest.raises(ValueError, match=r"samples\[1\] lists the choice \[8, 9\] \(token ids\) more than once"):
         score_samples(ccm, tokenizer, [OnlineSample([[5]], [7], [8], choices=[[8], [9]]), twice], method, "accuracy")
+
+
+@pytest.mark.parametrize("method", ["no_context", "full_context", "ccm"])
+def test_samples_of_ids_score_without_a_tokenizer_and_text_without_one_names_score_samples(ccm, tokenizer, method):
+    """Token ids need no tokenizer; text without one named `CCMDataCollator`'s fix, which score_samples never takes."""
+    ids = [OnlineSample([[5, 6], [7]], [7], [8], choices=[[8], [9]])]
+    assert score_samples(ccm, None, ids, method, "accuracy") == score_samples(ccm, tokenizer, ids, method, "accuracy")
+    texts = {"contexts[0]": OnlineSample(["a"], [7], [8], [[8], [9]]), "input": replace(ids[0], input="b")}
+    for where, text in texts.items():
+        with pytest.raises(ValueError, match=rf"samples\[0\]\.{re.escape(where)} is a string; give score_samples a "):
+            score_samples(ccm, None, [text], method, "accuracy")
 
 
 def test_an_unknown_metric_is_refused(ccm, tokenizer):

@@ -149,9 +149,12 @@ def _target_log_probs(
     ]
 
 
+_WITHOUT_TOKENIZER = "give score_samples a tokenizer, or pass token ids"
+
+
 def check_samples(
     model: CCMForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     samples: Sequence[OnlineSample],
     method: str,
     metric: str,
@@ -168,15 +171,18 @@ def check_samples(
         check_sample(sample, f"samples[{i}]")
     histories = [
         [
-            token_ids(c, tokenizer, f"samples[{i}].contexts[{j}]", True, vocabulary)
+            token_ids(c, tokenizer, f"samples[{i}].contexts[{j}]", True, vocabulary, _WITHOUT_TOKENIZER)
             for j, c in enumerate(sample_entries(s.contexts, f"samples[{i}].contexts"))
         ]
         for i, s in enumerate(samples)
     ]
-    questions = [token_ids(s.input, tokenizer, f"samples[{i}].input", True, vocabulary) for i, s in enumerate(samples)]
+    questions = [
+        token_ids(s.input, tokenizer, f"samples[{i}].input", True, vocabulary, _WITHOUT_TOKENIZER)
+        for i, s in enumerate(samples)
+    ]
     for i, sample in enumerate(samples):
         candidates = [
-            token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary)
+            token_ids(tokens, tokenizer, f"samples[{i}].output or choices", True, vocabulary, _WITHOUT_TOKENIZER)
             for tokens in (
                 sample.output,
                 *(sample_entries(sample.choices, f"samples[{i}].choices") if sample.choices is not None else ()),
@@ -240,13 +246,14 @@ def _check_memory_pieces(contexts: list[list[int]], answer: int, most: int, comp
 @torch.no_grad()
 def score_samples(
     model: CCMForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     samples: Sequence[OnlineSample],
     method: str,
     metric: str,
     batch_size: int = 16,
 ) -> MethodScore:
-    """Score `samples` (all with the same number of contexts) with one method.
+    """Score `samples` (all with the same number of contexts) with one method; `tokenizer` reads samples written as
+    text (None where every sample is token ids).
 
     `"no_context"` and `"full_context"` read the history (or nothing) as a plain prompt: a compression adapter
     (conditional LoRA) never acts on plain tokens, so that is its base model; an adapter with

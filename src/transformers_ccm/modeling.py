@@ -11,7 +11,7 @@ import logging
 import operator
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -626,7 +626,7 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
     def compress(
         self,
         cache: CompressedMemoryCache,
-        context_ids: torch.Tensor | None = None,
+        context_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> None:
         """Compress a context into `cache`: `Mem(t) = update(Mem(t-1), h(t))`.
@@ -637,7 +637,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         left as it was.
 
         Args:
-            context_ids: `(batch, len)` or `(len,)` new context tokens, or None to fold the turn alone.
+            context_ids: `(batch, len)` or `(len,)` new context tokens (a tensor, or lists of ints), or None to
+                fold the turn alone.
             attention_mask: `(batch, len)` of `context_ids` (given only with them), 0 at padding. A row with no
                 token (and no turn) keeps its memory.
         """
