@@ -919,6 +919,28 @@ def _lower_rank(tensors):
             r"target_modules='q_proj'\) leav",
         ),
         (lambda f: _rewrite_json(f / "adapter_config.json", target_modules=None), r"has no target_modules"),
+        # Regular expressions PEFT would run on every module name: "(.*.*)*Z" kept a load matching for hours.
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", target_modules="(.*.*)*Z"),
+            r"adapter_config\.json has target_modules='\(\.\*\.\*\)\*Z', a regular expression CCM never writes",
+        ),
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)"),
+            r"has target_modules='\.\*\\\\\.\(q_proj\|k_proj\|v_proj\|o_proj\)', a regular expression CCM never",
+        ),
+        (
+            lambda f: _rewrite_json(f / "adapter_config.json", exclude_modules="(x+x+)+y"),
+            r"has exclude_modules='\(x\+x\+\)\+y', a regular expression CCM never writes, which is not run",
+        ),
+        (
+            lambda f: _rewrite_json(
+                f / "adapter_config.json",
+                target_modules=list(_ATTENTION),
+                layers_to_transform=[0, 1],
+                layers_pattern=["layers", "(.*)*"],
+            ),
+            r"has layers_pattern=\['layers', '\(\.\*\)\*'\], a regular expression CCM never writes",
+        ),
         (
             # The model was built with these targets first: PEFT's "Target modules {'nothing'} not found in the base
             # model" named no file, and a target that matched other modules loaded as weights that "do not fit".

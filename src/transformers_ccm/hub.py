@@ -511,6 +511,15 @@ _PEFT_FIXED = {
 }
 # The fields with which adapter_config.json selects the modules PEFT puts its LoRA on.
 _PEFT_TARGETING = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+# The regular expressions those fields may hold, since PEFT runs them: module names (with `|` and `.`, no repetition)
+# and the target_modules CCM writes (`lora.default_target_modules`). Any other is refused unrun: Python's `re` cannot
+# be stopped, and a crafted pattern ("(.*.*)*Z") kept a load matching for hours.
+_NAMES = r"[\w.]+(?:\|[\w.]+)*"
+_RUNNABLE_PATTERNS = {
+    "target_modules": re.compile(rf"\(\.\*\\\.\)\?\(\w+(?:\|\w+)*\)\\\.\(\w+(?:\|\w+)*\)|{_NAMES}"),
+    "exclude_modules": re.compile(_NAMES),
+    "layers_pattern": re.compile(r"\w+"),
+}
 
 
 def _check_files_agree(
@@ -573,6 +582,13 @@ def _unselected(peft_config: dict[str, Any], modules: set[str], source: str) -> 
     selection = {key: peft_config.get(key) for key in _PEFT_TARGETING}
     if selection["target_modules"] is None:
         return [f"{source} has no target_modules (PEFT would pick its own for the model type)"]
+    unrunnable = [key for key, pattern in _RUNNABLE_PATTERNS.items() if not _runnable(selection[key], key, pattern)]
+    if unrunnable:
+        return [
+            f"{source} has {key}={selection[key]!r:.80}, a regular expression CCM never writes, which is not run (a "
+            "crafted one can match for hours); give module names as a list"
+            for key in unrunnable
+        ]
     try:
         selects = LoraConfig(**selection)
         left_out = sorted(name for name in modules if not check_target_module_exists(selects, name))
@@ -582,6 +598,14 @@ def _unselected(peft_config: dict[str, Any], modules: set[str], source: str) -> 
         return []
     chosen = ", ".join(f"{key}={value!r}" for key, value in selection.items() if value is not None)
     return [f"{source} ({chosen}) leaves out modules with LoRA weights {left_out[:2]}"]
+
+
+def _runnable(value: Any, key: str, pattern: re.Pattern[str]) -> bool:
+    """Whether PEFT may run what the targeting field `key` holds as `value`: a string is run as a regular expression
+    (for layers_pattern, each string of a list too), so it must have `pattern`'s form; module names in a list are
+    matched as suffixes, never run."""
+    run = [value] if isinstance(value, str) else value if key == "layers_pattern" and isinstance(value, list) else []
+    return all(pattern.fullmatch(text) for text in run if isinstance(text, str))
 
 
 def _what_is_there(folder: Path) -> str:
