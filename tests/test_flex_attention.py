@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 
 from test_online import samples_strategy
 from test_sliding_window import windowed_model
-from tiny_models import tiny_ccm
-from transformers_ccm import CCMDataCollator
+from tiny_models import tiny_base, tiny_ccm
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
 
 TOLERANCE = 1e-4
 
@@ -55,3 +55,23 @@ def test_auto_is_dense_on_cpu_and_kinds_are_checked():
         model.set_training_attention("sparse")
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not take flex attention masks"):
         tiny_ccm("gpt2").set_training_attention("flex")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex attention has a backward on accelerators")
+def test_flex_training_on_cpu_is_refused_naming_dense_attention():
+    """A training forward (gradients on) with flex attention on CPU, where torch runs it forward only, failed inside
+    torch with "set the input requires_grad to False or use another device", no fix a CCM user has; it names
+    set_training_attention('dense') now, and the forward without gradients still runs."""
+    model = CCMForCausalLM.from_base(tiny_base("llama"), CCMConfig(update="merge"))
+    model.set_training_attention("flex")
+    batch = CCMDataCollator(model)([OnlineSample([[5, 6, 7]], [8], [9, 10])])
+    with pytest.raises(ValueError, match=r"no backward on CPU.*set_training_attention\('dense'\)"):
+        model(**batch)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    with torch.no_grad():
+        flex = model(**batch).loss
+    model.set_training_attention("dense")
+    dense = model(**batch).loss
+    dense.backward()
+    assert torch.allclose(flex, dense, atol=TOLERANCE)
+    assert model.comp_embeddings.grad.abs().sum() > 0

@@ -124,7 +124,16 @@ def flex_attention_forward(
     def softcapped(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
         return softcap * torch.tanh(score / softcap)
 
-    run = flex_attention if query.device.type == "cpu" else _compiled_flex_attention()
+    on_cpu = query.device.type == "cpu"
+    if on_cpu and torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value)):
+        # torch's own refusal ("set the input requires_grad to False or use another device") named no fix a CCM user
+        # has: the inputs require grad because the adapter trains.
+        raise ValueError(
+            "Block-sparse (flex) training attention has no backward on CPU, where torch runs flex_attention forward "
+            "only, and this forward builds a graph for one. Train on CPU with model.set_training_attention('dense') "
+            "(or 'auto', which takes dense there), or run the forward under torch.no_grad()."
+        )
+    run = flex_attention if on_cpu else _compiled_flex_attention()
     output = run(
         query,
         key,
