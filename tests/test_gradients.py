@@ -26,7 +26,7 @@ from transformers_ccm.data import IGNORE_INDEX, predicting_positions
 from transformers_ccm.distillation import distillation_loss
 
 GRADIENT_TOLERANCE = 1e-6
-LOSS_TOLERANCE = 1e-6  # transformers takes the NLL in float32: one rounding of a loss near 5 is 5e-7
+LOSS_TOLERANCE = 5e-6  # transformers takes the NLL in float32: a few float32 steps (5e-7) of a loss near 5
 
 # `compress()` runs under torch.no_grad() (inference keeps no graph); its undecorated body is the same code, with one.
 compress_with_graph = CCMForCausalLM.compress.__wrapped__
@@ -144,9 +144,12 @@ samples_strategy = st.lists(
     samples=samples_strategy,
     supervision=st.sampled_from(["output", "dense"]),
     side=st.sampled_from(["left", "right"]),
+    extra=st.sampled_from([None, 0, 1, 3]),
 )
-def test_parallel_loss_and_gradients_equal_the_online_path(architecture, update, n, samples, supervision, side):
-    model = float64_ccm(architecture, update=update, num_comp_tokens=n, ema_alpha=0.3)
+def test_parallel_loss_and_gradients_equal_the_online_path(architecture, update, n, samples, supervision, side, extra):
+    # Concat memory only takes a cap (of at least one <COMP> block; its oldest slots are evicted, part of a block too).
+    cap = None if extra is None or update != "concat" else n + extra
+    model = float64_ccm(architecture, update=update, num_comp_tokens=n, ema_alpha=0.3, max_memory_tokens=cap)
     batch = CCMDataCollator(model, supervision=supervision)(samples)
     parallel = model(**batch).loss
     predictions = online_predictions(model, samples, side, dense=supervision == "dense")
