@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
 from ccm_reference import _cache_of, _run, lora_off, reference_memory
 from test_online import pad
 from tiny_models import _COMMON, VOCAB, randomize_adapter, tiny_base
-from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample, StreamingConfig
 from transformers_ccm.data import IGNORE_INDEX, predicting_positions
 from transformers_ccm.distillation import distillation_loss
+from transformers_ccm.stream_training import StreamCollator, stream_loss
 
 GRADIENT_TOLERANCE = 1e-6
 LOSS_TOLERANCE = 5e-6  # transformers takes the NLL in float32: a few float32 steps (5e-7) of a loss near 5
@@ -348,3 +349,34 @@ def backward_gradients(model: CCMForCausalLM, batch: dict[str, torch.Tensor]) ->
     found = {name: weight.grad for name, weight in trainable(model).items()}
     model.zero_grad(set_to_none=True)
     return found
+
+
+@pytest.mark.parametrize("update", ["concat", "merge", "ema"])
+@pytest.mark.parametrize("keep_window_full", [True, False])
+def test_stream_loss_gradients_are_its_derivative_through_every_compression(update, keep_window_full):
+    """Training on streams runs the streaming cache itself, with a graph through each compression of the stretch
+    (every later piece reads the memory they made): the gradient along a random direction of all trainable weights
+    is the loss's central difference along it. A graph cut anywhere (a memory moved, averaged or evicted without one)
+    would leave out that compression's part of it."""
+    config = CCMConfig(update=update, num_comp_tokens=2, ema_alpha=0.3, lora_dropout=0.0)
+    model = randomize_adapter(CCMForCausalLM.from_base(tiny_base("llama").to(torch.float64), config))
+    streaming = StreamingConfig(window_tokens=8, sink_tokens=2, compress_chunk=4, keep_window_full=keep_window_full)
+    streams = torch.randint(3, VOCAB, (2, 36), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = StreamCollator(streaming)(streams)
+    weights = list(trainable(model).values())
+    generator = torch.Generator().manual_seed(1)
+    direction = [torch.randn(weight.shape, generator=generator, dtype=weight.dtype) for weight in weights]
+    found = torch.autograd.grad(stream_loss(model, batch, streaming, piece=3), weights, allow_unused=True)
+    along = sum(float((grad * step).sum()) for grad, step in zip(found, direction, strict=True) if grad is not None)
+    kept = [weight.detach().clone() for weight in weights]
+    losses = []
+    eps = 1e-3  # the loss is taken in float32: a smaller step would measure its rounding
+    with torch.no_grad():
+        for sign in (1, -1):
+            for weight, start, step in zip(weights, kept, direction, strict=True):
+                weight.copy_(start + sign * eps * step)
+            losses.append(float(stream_loss(model, batch, streaming, piece=3)))
+    norm = sum(float(grad.square().sum()) for grad in found if grad is not None) ** 0.5
+    # `along` is a draw of N(0, norm**2): the difference is measured against that spread, not against its value. It is
+    # 1e-3 of it (the step's curvature, the float32 loss); a compression's part cut off the graph misses by half of it.
+    assert abs(along - (losses[0] - losses[1]) / (2 * eps)) <= 1e-2 * norm
