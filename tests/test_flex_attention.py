@@ -8,6 +8,7 @@ from test_online import samples_strategy
 from test_sliding_window import windowed_model
 from tiny_models import tiny_base, tiny_ccm
 from transformers_ccm import CCMConfig, CCMDataCollator, CCMForCausalLM, OnlineSample
+from transformers_ccm.lora import attention_modules
 
 TOLERANCE = 1e-4
 
@@ -55,6 +56,18 @@ def test_auto_is_dense_on_cpu_and_kinds_are_checked():
         model.set_training_attention("sparse")
     with pytest.raises(ValueError, match="GPT2LMHeadModel does not take flex attention masks"):
         tiny_ccm("gpt2").set_training_attention("flex")
+
+
+def test_auto_takes_flex_on_cuda_only_where_no_attention_weight_is_dropped():
+    """Flex has no attention dropout: "auto" took it on CUDA for a model that drops attention weights in training, and
+    the first step stopped asking for "dense". It takes dense there now, and flex when evaluating or with no dropout."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    model = tiny_ccm("llama").train()
+    assert model._auto_flex(cuda) and not model._auto_flex(cpu)
+    for attention in attention_modules(model.base_model).values():  # as from a config with attention_dropout=0.1
+        attention.attention_dropout = 0.1
+    assert not model._auto_flex(cuda) and model.eval()._auto_flex(cuda)
+    assert not tiny_ccm("gpt2").eval()._auto_flex(cuda)  # its code takes no flex masks
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex attention has a backward on accelerators")

@@ -335,7 +335,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         """How the parallel training forward attends: `"flex"`, block-sparse `flex_attention` (blocks of the
         CCM mask that no query sees are skipped; compiled on accelerators, forward-only on CPU); `"dense"`, the
         model's own sdpa or eager attention with the full mask; `"auto"` (default): flex on CUDA for models
-        whose code takes flex masks, else dense."""
+        whose code takes flex masks, unless they drop attention weights in training (attention dropout), else
+        dense."""
         if kind not in TRAINING_ATTENTION:
             raise ValueError(f"Training attention must be one of {TRAINING_ATTENTION}, got {kind!r}.")
         if kind == "flex" and not self.base_model._supports_flex_attn:
@@ -343,6 +344,13 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
                 f"{type(self.base_model).__name__} does not take flex attention masks; use 'dense' (or 'auto')."
             )
         self.training_attention = kind
+
+    def _auto_flex(self, device: torch.device) -> bool:
+        """Whether `"auto"` trains with flex attention on `device`: on CUDA, for a model whose code takes flex masks and
+        that drops no attention weight in this forward (flex has no attention dropout: it stopped the first step)."""
+        if not (device.type == "cuda" and self.base_model._supports_flex_attn):
+            return False
+        return not self.base_model.training or _attention_dropout(self.base_model) == 0
 
     def set_attn_implementation(self, implementation: str) -> None:
         """Run the base model's attention with `"sdpa"` or `"eager"`, inside CCM's attention (which adds the memory and
@@ -554,8 +562,8 @@ class CCMForCausalLM(AdapterHubMixin, nn.Module):
         mask, memory_mix = windowed_block_attention(
             segment_ids, comp_mask, position_ids, self.config, SlidingWindow.of(self._text_config)
         )
-        flex_on_device = segment_ids.is_cuda and self.base_model._supports_flex_attn
-        if self.training_attention == "flex" or (self.training_attention == "auto" and flex_on_device):
+        kind = self.training_attention
+        if kind == "flex" or (kind == "auto" and self._auto_flex(segment_ids.device)):
             mask = as_block_masks(mask)
         # The mask travels with the call, so that gradient checkpointing's recomputation sees it too; the context
         # covers LoRA layers outside the decoder layers, if any were targeted.
@@ -1653,6 +1661,19 @@ def _check_token_counts(kwargs: dict[str, Any], config: GenerationConfig) -> Non
         value = kwargs[name] if name in kwargs else getattr(config, name, None)
         if value is not None and not is_index(value):
             raise ValueError(f"{name} must be a whole number of tokens, such as 32, got {value!r}.")
+
+
+def _attention_dropout(model: torch.nn.Module) -> float:
+    """The largest dropout probability that the attention layers of `model` apply to attention weights in training:
+    transformers' attention modules hold it as `attention_dropout`, GPT-2's as an `attn_dropout` layer."""
+    rates = [0.0]
+    for module in attention_modules(model).values():
+        for name in ("attention_dropout", "attn_dropout"):
+            value = getattr(module, name, None)
+            rate = value.p if isinstance(value, torch.nn.Dropout) else value
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+                rates.append(float(rate))
+    return max(rates)
 
 
 def _check_is_cache(cache: Any) -> None:
