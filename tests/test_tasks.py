@@ -5,6 +5,7 @@ import os
 import random
 import re
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -491,12 +492,32 @@ def test_jsonl_with_token_ids(tmp_path):
         ('{"contexts": [], "input": "q", "output": "x", "choices": ["x", "y", "x"]}', "the choice 'x' is listed twice"),
         # Python kept the last "output", other readers the first: the sample trained on one of two answers.
         ('{"contexts": ["c"], "input": "q", "output": "x", "output": "y"}', r":1 gives the key 'output' twice"),
+        # Python's own error named neither the file nor a fix, and told to raise its bound on digits.
+        (
+            '{"contexts": [[' + "1" * 5000 + ']], "input": "q"}',
+            r":1 holds an integer of more than \d+ digits, which no such file does; write one JSON object per line",
+        ),
     ],
 )
 def test_jsonl_errors(tmp_path, text, message):
     (tmp_path / "bad.jsonl").write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError, match=message):
         load_jsonl(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("repeated", [["c0"], [[0]]])
+def test_a_sample_of_many_choices_is_read_in_one_pass(tmp_path, repeated):
+    """Each choice was searched for among those before it: a line of 50,000 choices (400 KB) took 15 s to read, one
+    of 200,000 minutes, for a choice listed twice (the last, here) or none."""
+    choices = [f"c{index}" if isinstance(repeated[0], str) else [index] for index in range(50_000)]
+    path = tmp_path / "choices.jsonl"
+    path.write_text(json.dumps({"contexts": ["x"], "input": "q", "choices": choices}) + "\n")
+    started = time.perf_counter()
+    assert len(load_jsonl(path)) == 1
+    path.write_text(json.dumps({"contexts": ["x"], "input": "q", "choices": choices + repeated}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f":1: the choice {repeated[0]!r} is listed twice")):
+        load_jsonl(path)
+    assert time.perf_counter() - started < 3
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

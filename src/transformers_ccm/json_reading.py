@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from typing import Any
 
 from transformers_ccm.files import not_enough_memory, raise_if_short_of
+from transformers_ccm.validation import first_repeated
 
 
 def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | None = None) -> bytes:
@@ -38,8 +40,9 @@ def read_regular_file(path: str | os.PathLike[str], fix: str, max_bytes: int | N
 
 
 def parse_json(text: str | bytes, where: str, fix: str) -> Any:
-    """`text` decoded as JSON. Bytes that are not UTF-8, bad syntax, a key given twice in one object and nesting
-    deeper than Python's recursion limit raise `ValueError("<where> <problem>; <fix>")`."""
+    """`text` decoded as JSON. Bytes that are not UTF-8, bad syntax, a key given twice in one object, nesting deeper
+    than Python's recursion limit and an integer of more digits than Python reads raise
+    `ValueError("<where> <problem>; <fix>")`."""
     try:
         return json.loads(text, object_pairs_hook=_object)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -50,6 +53,15 @@ def parse_json(text: str | bytes, where: str, fix: str) -> Any:
         ) from None
     except RecursionError:  # nesting deeper than the recursion limit: no file of ours
         raise ValueError(f"{where} is nested too deeply to be read as JSON; {fix}") from None
+    except ValueError as error:
+        # Python's bound on the digits of an integer read from text: its message named neither the file nor a fix, and
+        # told to raise the bound, for a number that no file of ours holds.
+        if "integer string conversion" not in str(error):
+            raise
+        raise ValueError(
+            f"{where} holds an integer of more than {sys.get_int_max_str_digits()} digits, which no such file does; "
+            f"{fix}"
+        ) from None
 
 
 def parse_json_object(text: str | bytes, where: str, fix: str) -> dict[str, Any]:
@@ -69,6 +81,5 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     sample's second "output" was trained on without a word)."""
     value = dict(pairs)
     if len(value) < len(pairs):
-        keys = [key for key, _ in pairs]
-        raise _RepeatedKey(next(key for index, key in enumerate(keys) if key in keys[:index]))
+        raise _RepeatedKey(first_repeated(key for key, _ in pairs))
     return value

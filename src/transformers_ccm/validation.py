@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
@@ -34,6 +34,17 @@ def check_sample_count(count: object) -> None:
     failed inside `range()` with a bare TypeError)."""
     if not (is_int(count) and count >= 0):  # type: ignore[operator]
         raise ValueError(f"count must be an integer >= 0 (samples to make), got {count!r}.")
+
+
+def first_repeated(values: Iterable[Hashable]) -> Hashable | None:
+    """The first of `values` that an earlier one equals, None where all differ. In one pass: a search of each value
+    among those before it took minutes on a crafted file of a megabyte (200,000 JSON keys or sample choices)."""
+    seen: set[Hashable] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
 
 
 def number(value: object) -> bool:

@@ -31,7 +31,7 @@ from transformers_ccm.tasks.wordings import (
     check_wording_set,
     select,
 )
-from transformers_ccm.validation import check_sample_count, positive_int
+from transformers_ccm.validation import check_sample_count, first_repeated, positive_int
 
 # (rng, split, time steps, wording, the turns chat wordings are written in) -> a sample and its items
 Generator = Callable[[random.Random, Split, int, Any, TurnFormat], Built]
@@ -287,9 +287,11 @@ def _check_record(record: dict, where: str) -> None:
         raise ValueError(f"{where}: 'choices' must be a non-empty list of {_TOKENS}; got {choices!r:.80}.")
     if output is not None and output not in choices:
         raise ValueError(f"{where}: the output {output!r:.40} is not among the choices; add it to 'choices'.")
-    repeated = next((choice for index, choice in enumerate(choices) if choice in choices[:index]), None)
+    # Token-id lists as tuples, to be hashed; the one listed twice is named as the line gives it.
+    repeated = first_repeated(choice if isinstance(choice, str) else tuple(choice) for choice in choices)
     if repeated is not None:
-        raise ValueError(f"{where}: the choice {repeated!r:.40} is listed twice; list each choice once.")
+        shown = repeated if isinstance(repeated, str) else list(repeated)  # type: ignore[arg-type]
+        raise ValueError(f"{where}: the choice {shown!r:.40} is listed twice; list each choice once.")
 
 
 __all__ = [
