@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from transformers_ccm.data import (
 )
 from transformers_ccm.extras import figure
 from transformers_ccm.modeling import CCMForCausalLM
-from transformers_ccm.validation import finite_number, positive_int
+from transformers_ccm.validation import finite_number, first_repeated, positive_int
 
 METHODS = ("no_context", "full_context", "ccm")
 METRICS = ("accuracy", "perplexity")
@@ -78,16 +79,43 @@ def wilson_interval(correct: float, total: int, z: float = Z_95) -> tuple[float,
     return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))
 
 
+# The most sample indices drawn at once for the bootstrap (32 MB, and twice that gathered): all its resamples at once
+# took 48 bytes per resample and sample, which a report of a million per-sample scores (6 MB of JSON, given to
+# `ccm eval --add-to`) turned into 100 GB.
+_MOST_DRAWN = 1 << 22
+
+
+def _resample_blocks(count: int, seed: int) -> Iterator[torch.Tensor]:
+    """The rows of `_resamples(count, seed)`, a block of them at a time, each of at most `_MOST_DRAWN` indices (or one
+    row): drawn from one generator in order, so they are the same indices."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = max(1, _MOST_DRAWN // max(count, 1))
+    for start in range(0, BOOTSTRAP_RESAMPLES, rows):
+        yield torch.randint(count, (min(rows, BOOTSTRAP_RESAMPLES - start), count), generator=generator)
+
+
 def _resamples(count: int, seed: int = 0) -> torch.Tensor:
     """`(BOOTSTRAP_RESAMPLES, count)` sample indices drawn with replacement, the same for the same count."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(count, (BOOTSTRAP_RESAMPLES, count), generator=generator)
+    return torch.cat(list(_resample_blocks(count, seed)))
 
 
-def _log_score(per_sample: Sequence[Sequence[float]], metric: str, index: torch.Tensor | None = None) -> torch.Tensor:
+def _resampled_scores(tables: Sequence[Sequence[Sequence[float]]], metric: str, seed: int) -> list[torch.Tensor]:
+    """`_log_score` of each of `tables` (per-sample scores of the same samples) over the resamples of
+    `_resamples(len(tables[0]), seed)`, the same for all of them (a paired bootstrap), drawn a block at a time."""
+    converted = [torch.tensor(table, dtype=torch.float64) for table in tables]
+    scores: list[list[torch.Tensor]] = [[] for _ in tables]
+    for index in _resample_blocks(len(tables[0]), seed):
+        for score, table in zip(scores, converted, strict=True):
+            score.append(_log_score(table, metric, index))
+    return [torch.cat(score) for score in scores]
+
+
+def _log_score(
+    per_sample: Sequence[Sequence[float]] | torch.Tensor, metric: str, index: torch.Tensor | None = None
+) -> torch.Tensor:
     """Accuracy, or minus the log-perplexity, of the samples `index` (`(..., n)`; all when None): higher is
     better, and gains are measured on this scale."""
-    table = torch.tensor(per_sample, dtype=torch.float64)
+    table = torch.as_tensor(per_sample, dtype=torch.float64)
     if index is not None:
         table = table[index]
     ratio = table[..., 0].sum(-1) / table[..., 1].sum(-1)
@@ -104,7 +132,7 @@ def value_interval(per_sample: Sequence[Sequence[float]], metric: str) -> tuple[
     """The 95% interval of an accuracy (Wilson) or a perplexity (percentile bootstrap over samples)."""
     if metric == "accuracy":
         return wilson_interval(sum(c for c, _ in per_sample), len(per_sample))
-    log_perplexity = -_log_score(per_sample, metric, _resamples(len(per_sample)))
+    log_perplexity = -_resampled_scores([per_sample], metric, seed=0)[0]
     low, high = torch.quantile(log_perplexity, torch.tensor([0.025, 0.975], dtype=torch.float64)).exp().tolist()
     return low, high
 
@@ -205,7 +233,7 @@ def check_samples(
         # Two choices of the same tokens always tie: the answer listed twice would earn half credit when it wins.
         choices = [tuple(tokens) for tokens in candidates[1:]]
         if metric == "accuracy" and len(set(choices)) < len(choices):
-            twice = next(tokens for index, tokens in enumerate(choices) if tokens in choices[:index])
+            twice = first_repeated(choices)
             raise ValueError(
                 f"samples[{i}] lists the choice {list(twice)!r:.80} (token ids) more than once; list each choice once."
             )
@@ -390,8 +418,7 @@ def gain_recovered_interval(
         )
     if _log_score(full_context, metric) <= _log_score(no_context, metric):
         return float("nan"), float("nan")
-    index = _resamples(len(ccm), seed=1)
-    no, full, compressed = (_log_score(scores, metric, index) for scores in (no_context, full_context, ccm))
+    no, full, compressed = _resampled_scores([no_context, full_context, ccm], metric, seed=1)
     gains = ((compressed - no) / (full - no))[full > no]
     if gains.numel() < BOOTSTRAP_RESAMPLES // 2:
         return float("nan"), float("nan")
@@ -408,8 +435,8 @@ def difference_interval(
         raise ValueError(
             f"A paired difference compares methods on the same samples; got {len(first)} and {len(second)} samples."
         )
-    index = _resamples(len(first), seed=2)
-    differences = _log_score(second, metric, index) - _log_score(first, metric, index)
+    first_scores, second_scores = _resampled_scores([first, second], metric, seed=2)
+    differences = second_scores - first_scores
     low, high = torch.quantile(differences, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return low, high
 
@@ -498,7 +525,7 @@ def _check_paired(results: Sequence[Row]) -> None:
         sets.setdefault((str(row["task"]), str(row["wordings"]), int(row["steps"])), []).append(row)
     for (task, wordings, steps), rows in sets.items():
         methods = [str(row["method"]) for row in rows]
-        twice = sorted({method for method in methods if methods.count(method) > 1})
+        twice = sorted(method for method, count in Counter(methods).items() if count > 1)
         scored = {(row["samples"], row["metric"]) for row in rows}
         digests = {row["samples_digest"] for row in rows if "samples_digest" in row}
         where = f"{task} ({wordings}, t={steps})"
@@ -521,11 +548,12 @@ def summarize(results: Sequence[Row]) -> list[Row]:
         _check_row(row, number)
     _check_paired(results)
     rows: list[Row] = []
-    groups = sorted(
-        {(str(r["task"]), str(r["wordings"])) for r in results}, key=lambda g: (g[0], WORDING_ORDER.index(g[1]))
-    )
-    for task, wordings in groups:
-        group = [r for r in results if r["task"] == task and r["wordings"] == wordings]
+    # Gathered in one pass: a search of all the rows for each group's took minutes on a report of 100,000 groups.
+    grouped: dict[tuple[str, str], list[Row]] = {}
+    for r in results:
+        grouped.setdefault((str(r["task"]), str(r["wordings"])), []).append(r)
+    for task, wordings in sorted(grouped, key=lambda g: (g[0], WORDING_ORDER.index(g[1]))):
+        group = grouped[(task, wordings)]
         steps = max(int(r["steps"]) for r in group)
         at = {str(r["method"]): r for r in group if r["steps"] == steps}
         # A set without its baselines or a CCM method (rows left out of a report) raised KeyError or StopIteration.
