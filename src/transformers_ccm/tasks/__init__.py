@@ -290,7 +290,7 @@ def _check_record(record: dict, where: str) -> None:
     # Token-id lists as tuples, to be hashed; the one listed twice is named as the line gives it.
     repeated = first_repeated(choice if isinstance(choice, str) else tuple(choice) for choice in choices)
     if repeated is not None:
-        shown = repeated if isinstance(repeated, str) else list(repeated)  # type: ignore[arg-type]
+        shown = repeated if isinstance(repeated, str) else list(repeated)
         raise ValueError(f"{where}: the choice {shown!r:.40} is listed twice; list each choice once.")
 
 
