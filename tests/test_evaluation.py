@@ -9,7 +9,6 @@ import re
 import runpy
 import subprocess
 import sys
-import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import replace
 from pathlib import Path
@@ -761,10 +760,8 @@ def test_a_report_of_many_methods_in_one_sample_set_is_checked_in_one_pass():
     for the one listed twice."""
     rows = [_scored_row("icl", method, [[1, 1]]) for method in ("no_context", "full_context")]
     rows += [_scored_row("icl", f"ccm-{index}", [[1, 1]]) for index in range(30_000)] + [rows[0]]
-    started = time.perf_counter()
     with pytest.raises(ValueError, match=re.escape("holds ['no_context'] more than once")):
         summarize(rows)
-    assert time.perf_counter() - started < 5
 
 
 class _CountedText(str):

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import tempfile
-import time
 
 import pytest
 import torch
@@ -412,16 +411,15 @@ CRAFTED = {
 
 def test_a_header_of_many_keys_one_given_twice_is_refused_at_once(tmp_path):
     """The key given twice was searched for among the keys before each one: a header of 50,000 keys (800 KB) took
-    15 s to be refused, one of 200,000 minutes, and a header may hold 100 MB."""
+    15 s to be refused, one of 200,000 minutes, and a header may hold 100 MB. Found in one pass now
+    (`validation.first_repeated`, whose pass `tests/test_tasks.py` counts)."""
     model = tiny_ccm("llama")
     path = tmp_path / "user.safetensors"
     _filled(model).save(path)
     keys = ", ".join(f'"k{index}": 0' for index in range(50_000))
     _rewrite(path, metadata=lambda header: {MEMORY_FORMAT: f'{{{keys}, "k0": 1}}'})
-    started = time.perf_counter()
     with pytest.raises(ValueError, match="its header gives the key 'k0' twice in one object"):
         CompressedMemoryCache.load(path, model)
-    assert time.perf_counter() - started < 3
 
 
 @pytest.mark.parametrize("case", sorted(CRAFTED))
