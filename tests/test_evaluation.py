@@ -29,7 +29,7 @@ from transformers_ccm.evaluation import (
     BOOTSTRAP_RESAMPLES,
     FINETUNED,
     MethodScore,
-    _resamples,
+    _resample_blocks,
     difference_interval,
     difference_text,
     gain_recovered,
@@ -47,6 +47,11 @@ from transformers_ccm.evaluation import (
     wilson_interval,
 )
 from transformers_ccm.tasks import METRIC, make_samples
+
+
+def _resamples(count: int, seed: int = 0) -> torch.Tensor:
+    """`(BOOTSTRAP_RESAMPLES, count)`: every resample the bootstrap draws, at once."""
+    return torch.cat(list(_resample_blocks(count, seed)))
 
 
 def _model(tokenizer, seed: int, **config) -> CCMForCausalLM:

@@ -86,22 +86,17 @@ _MOST_DRAWN = 1 << 22
 
 
 def _resample_blocks(count: int, seed: int) -> Iterator[torch.Tensor]:
-    """The rows of `_resamples(count, seed)`, a block of them at a time, each of at most `_MOST_DRAWN` indices (or one
-    row): drawn from one generator in order, so they are the same indices."""
+    """`BOOTSTRAP_RESAMPLES` rows of `count` sample indices drawn with replacement, the same for the same count and
+    seed: a block of rows at a time, each of at most `_MOST_DRAWN` indices (or one row), from one generator in order."""
     generator = torch.Generator().manual_seed(seed)
     rows = max(1, _MOST_DRAWN // max(count, 1))
     for start in range(0, BOOTSTRAP_RESAMPLES, rows):
         yield torch.randint(count, (min(rows, BOOTSTRAP_RESAMPLES - start), count), generator=generator)
 
 
-def _resamples(count: int, seed: int = 0) -> torch.Tensor:
-    """`(BOOTSTRAP_RESAMPLES, count)` sample indices drawn with replacement, the same for the same count."""
-    return torch.cat(list(_resample_blocks(count, seed)))
-
-
 def _resampled_scores(tables: Sequence[Sequence[Sequence[float]]], metric: str, seed: int) -> list[torch.Tensor]:
     """`_log_score` of each of `tables` (per-sample scores of the same samples) over the resamples of
-    `_resamples(len(tables[0]), seed)`, the same for all of them (a paired bootstrap), drawn a block at a time."""
+    `_resample_blocks(len(tables[0]), seed)`, the same for all of them (a paired bootstrap)."""
     converted = [torch.tensor(table, dtype=torch.float64) for table in tables]
     scores: list[list[torch.Tensor]] = [[] for _ in tables]
     for index in _resample_blocks(len(tables[0]), seed):
