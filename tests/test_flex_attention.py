@@ -70,7 +70,6 @@ def test_auto_takes_flex_on_cuda_only_where_no_attention_weight_is_dropped():
     assert not tiny_ccm("gpt2").eval()._auto_flex(cuda)  # its code takes no flex masks
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="flex attention has a backward on accelerators")
 def test_flex_training_on_cpu_is_refused_naming_dense_attention():
     """A training forward (gradients on) with flex attention on CPU, where torch runs it forward only, failed inside
     torch with "set the input requires_grad to False or use another device", no fix a CCM user has; it names
