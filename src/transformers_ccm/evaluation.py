@@ -226,9 +226,8 @@ def check_samples(
         if metric == "accuracy" and not all(candidates):  # the output is one of the choices
             raise ValueError(f"samples[{i}] has an empty choice, which has no token to score; list non-empty choices.")
         # Two choices of the same tokens always tie: the answer listed twice would earn half credit when it wins.
-        choices = [tuple(tokens) for tokens in candidates[1:]]
-        if metric == "accuracy" and len(set(choices)) < len(choices):
-            twice = first_repeated(choices)
+        twice = first_repeated(tuple(tokens) for tokens in candidates[1:]) if metric == "accuracy" else None
+        if twice is not None:
             raise ValueError(
                 f"samples[{i}] lists the choice {list(twice)!r:.80} (token ids) more than once; list each choice once."
             )

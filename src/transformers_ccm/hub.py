@@ -604,7 +604,9 @@ def _runnable(value: Any, key: str, pattern: re.Pattern[str]) -> bool:
     """Whether PEFT may run what the targeting field `key` holds as `value`: a string is run as a regular expression
     (for layers_pattern, each string of a list too), so it must have `pattern`'s form; module names in a list are
     matched as suffixes, never run."""
-    run = [value] if isinstance(value, str) else value if key == "layers_pattern" and isinstance(value, list) else []
+    if isinstance(value, str):
+        return pattern.fullmatch(value) is not None
+    run = value if key == "layers_pattern" and isinstance(value, list) else []
     return all(pattern.fullmatch(text) for text in run if isinstance(text, str))
 
 

@@ -10,6 +10,7 @@ a mapping from memory whatever its form, not one layout of it.
 
 from __future__ import annotations
 
+import functools
 import random
 import string
 from dataclasses import dataclass
@@ -137,14 +138,20 @@ def group_names(rng: random.Random, split: Split, kinds: list[str]) -> tuple[lis
     return [rng.choice(CATEGORY_NOUNS[kind]) for kind in kinds], []
 
 
+@functools.cache
+def _shared(kind: str, other: str, split: Split) -> frozenset[str]:
+    """The items of `split` that are of both kinds (Jordan: a woman's name, a man's and a country)."""
+    return frozenset(words(kind, split)).intersection(words(other, split))
+
+
 def _unambiguous(drawn: str, pool: list[str], ambiguous: set[str]) -> str:
     """`drawn`, or where it could be read two ways (the state Virginia in a group named Virginia; Jordan, a woman's
     name, a man's and a country), another item of `pool`: drawn by a generator of its own, so that every other
     sample of a seed stays as it was."""
-    others = [w for w in pool if w not in ambiguous]
-    if drawn not in ambiguous or not others:
+    if drawn not in ambiguous:
         return drawn
-    return random.Random(f"{drawn}:{len(pool)}").choice(others)
+    others = [w for w in pool if w not in ambiguous]
+    return random.Random(f"{drawn}:{len(pool)}").choice(others) if others else drawn
 
 
 def grouping_sample(
@@ -158,7 +165,9 @@ def grouping_sample(
     kinds = rng.sample(ITEM_KINDS, rng.randint(2, 4))
     names, named_items = group_names(rng, split, kinds)
     # An item of two of the sample's kinds, or named like a group, would belong to two groups.
-    ambiguous = [{*names, *(w for other in kinds if other != kind for w in words(other, split))} for kind in kinds]
+    ambiguous = [
+        {*names, *(w for other in kinds if other != kind for w in _shared(kind, other, split))} for kind in kinds
+    ]
     asked_kind = rng.randrange(len(kinds))
     asked_pool = words(kinds[asked_kind], split)
     asked = _unambiguous(rng.choice(asked_pool), asked_pool, ambiguous[asked_kind])
